@@ -1,0 +1,42 @@
+"""topo-align: topology-aware gradient reduction for DeepSpeed and Megatron."""
+
+from setuptools import find_packages, setup
+
+# Ranges users need; the exact versions CI tests are pinned in constraints.txt.
+EXTRAS = {
+    "deepspeed": ["deepspeed>=0.17,<0.20"],
+    "megatron": ["megatron-core>=0.16,<0.18"],
+    "test": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "hypothesis>=6.100",
+    ],
+    "plot": ["matplotlib>=3.8"],
+}
+EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+
+setup(
+    name="topo-align",
+    version="0.1.0",
+    description="Topology-aware gradient reduction (hierarchical and selective) for DeepSpeed and Megatron",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["topo_integrations", "topo_integrations.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "pydantic>=2.7,<3",
+        "rich>=13",
+        "numpy>=1.24",
+    ],
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["topo-align=topo_integrations.cli:main"]},
+    license="Apache-2.0",
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

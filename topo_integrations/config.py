@@ -1,0 +1,326 @@
+"""The ``"topo_align"`` block: one typed schema for DeepSpeed JSON, Megatron flags and the CLI.
+
+Every model forbids unknown keys and validates in strict mode (``"5"`` is not ``5``), so a typo
+in a config file is an error at start-up rather than a silently ignored setting. Each field's
+docstring becomes its description in the JSON Schema printed by ``topo-align schema``.
+
+Errors: :class:`pydantic.ValidationError` (from ``model_validate``) and :class:`ConfigError` (from
+``from_file`` / ``from_block``) are both ``ValueError`` subclasses; their messages name the field,
+the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "TopoAlignConfig",
+    "TopologyConfig",
+    "SyncConfig",
+    "LocalConfig",
+    "ImportanceConfig",
+    "CommunicationConfig",
+    "FallbackConfig",
+    "AdaptiveConfig",
+    "MonitorConfig",
+    "DTYPES",
+    "MODES",
+    "SOURCE_KINDS",
+    "format_validation_error",
+]
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+Mode = Literal["flat", "hierarchical", "selective"]
+SourceKind = Literal["auto", "file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "hostnames"]
+
+DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+MODES: tuple[str, ...] = ("flat", "hierarchical", "selective")
+SOURCE_KINDS: tuple[str, ...] = ("auto", "file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "hostnames")
+
+# JSON nested deeper than this is refused before it reaches pydantic: a real block is 3 levels deep,
+# and Python's recursion limit must never be the thing that rejects a hostile file.
+MAX_JSON_DEPTH = 64
+# A config file is a few hundred bytes; a multi-megabyte one is a mistake (or an attack).
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A ``topo_align`` block or config file that cannot be used; the message says why."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
+
+
+class TopologyConfig(_Section):
+    source: SourceKind = "auto"
+    """Where the topology comes from: `auto` (gathered hostnames, then islands = hosts), `file` (a JSON
+    topology file, see docs/topology-format.md), or a source kind: `nvidia-smi`, `nccl-xml`, `slurm`,
+    `hostfile`, `hostnames`."""
+
+    file: str | None = None
+    """Path of the topology source to read (required for every source except `auto` and `hostnames`).
+    For `slurm` it is `topology.conf,NODELIST`."""
+
+    group_by: Literal["island", "leaf"] = "island"
+    """What an intra group is: an NVLink `island` (node, bridged pair or NVL rack), or all ranks under
+    one `leaf` switch (scalable unit)."""
+
+    min_tier_ratio: float = Field(default=1.3, ge=1.0, le=1e6)
+    """Two tiers count as different only if their bandwidths differ by at least this factor; below it
+    the plan has one tier and the reducer falls back (see `fallback.on_flat_topology`)."""
+
+    middle_level: bool = False
+    """Add the leaf level between island and spine (3-level hierarchy: island, rail within a leaf,
+    rail across leaves)."""
+
+    @model_validator(mode="after")
+    def _file_needed(self) -> TopologyConfig:
+        if self.source not in ("auto", "hostnames") and not self.file:
+            raise ValueError(
+                f"topology.file is required when topology.source is {self.source!r}; "
+                "give the path of the source to read"
+            )
+        return self
+
+
+class SyncConfig(_Section):
+    last_n_layers: int = Field(default=5, ge=0, le=100_000)
+    """The last N transformer layers are always SYNC (reduced globally every step)."""
+
+    always_sync: list[str] = Field(default_factory=lambda: ["output_layer", "lm_head"], max_length=1024)
+    """Parameter-name patterns (fnmatch, or a plain substring) that are always SYNC, e.g. the output head."""
+
+    top_fraction: float = Field(default=0.15, ge=0.0, le=1.0)
+    """Fraction of all gradient elements, chosen by importance, that is SYNC in addition to the
+    last N layers and `always_sync`; 1 makes `selective` equal `hierarchical`."""
+
+    dtype: Dtype = "fp32"
+    """Wire dtype of SYNC gradients across groups."""
+
+    layer_pattern: str | None = None
+    """Regular expression with one group capturing the layer index, overriding layer detection
+    (default detection knows `decoder.layers.N`, `h.N`, `layers.N`, `blocks.N` and `nn.Sequential`)."""
+
+
+class LocalConfig(_Section):
+    dtype: Dtype = "fp16"
+    """Wire dtype of LOCAL gradients inside a group (with error feedback when lossy)."""
+
+    reconcile_interval: int = Field(default=4, ge=1, le=1_000_000)
+    """LOCAL parameters are averaged across groups every this many optimizer steps."""
+
+    async_reconcile: bool = True
+    """Start the reconciliation without blocking and apply it as a correction one interval later
+    (staleness bounded by one interval)."""
+
+
+class ImportanceConfig(_Section):
+    method: Literal["fisher", "hutchinson", "magnitude"] = "fisher"
+    """How tensors are ranked for `sync.top_fraction`: `fisher` (EMA of squared gradients),
+    `hutchinson` (Hessian-diagonal estimate; needs a loss closure), `magnitude` (parameter norm)."""
+
+    ema_decay: float = Field(default=0.99, ge=0.0, lt=1.0)
+    """Decay of the importance moving average."""
+
+    refresh_interval: int = Field(default=200, ge=1, le=100_000_000)
+    """Classes are re-ranked every this many steps (applied right after a reconciliation)."""
+
+
+class CommunicationConfig(_Section):
+    inter_dtype: Dtype = "fp32"
+    """Wire dtype of the cross-group (slow tier) step of `hierarchical` reduction."""
+
+    error_feedback: bool = True
+    """Keep the rounding residual of lossy casts and add it back on the next step."""
+
+    bucket_size_mb: float = Field(default=25.0, gt=0.0, le=65536.0)
+    """Gradient bucket size in MiB; a bucket is reduced as soon as it is full."""
+
+    overlap: bool = True
+    """Launch buckets from post-accumulate-grad hooks during backward (else all at finish_grad_sync)."""
+
+
+class FallbackConfig(_Section):
+    timeout_s: float = Field(default=600.0, gt=0.0, le=86_400.0)
+    """Every collective the plugin issues must finish within this many seconds, else the run ends
+    with an error naming the group, ranks and operation."""
+
+    on_flat_topology: Literal["flat", "error"] = "flat"
+    """What to do when the plan has a single tier (one node, or tiers within `min_tier_ratio`):
+    `flat` (fall back to one all-reduce, logged once) or `error`."""
+
+
+class AdaptiveConfig(_Section):
+    enabled: bool = False
+    """Adapt to congested links: longer reconcile interval, lossy inter wire, then flat, and regroup."""
+
+    check_interval: int = Field(default=100, ge=1, le=100_000_000)
+    """Measure achieved per-tier bandwidth and decide every this many steps."""
+
+    slowdown_factor: float = Field(default=3.0, gt=1.0, le=1e6)
+    """The inter tier counts as degraded when its achieved bandwidth is this many times below plan."""
+
+    window: int = Field(default=3, ge=1, le=10_000)
+    """Consecutive checks that must agree before an adaptation is made or reversed."""
+
+
+class MonitorConfig(_Section):
+    log_interval: int = Field(default=10, ge=1, le=100_000_000)
+    """Log reducer statistics (bytes and seconds per tier) every this many steps."""
+
+
+class TopoAlignConfig(_Section):
+    """The whole ``"topo_align"`` block (DESIGN.md 5.1)."""
+
+    enabled: bool = True
+    """Turn the plugin on; `false` leaves the framework's own reduction untouched."""
+
+    mode: Mode = "selective"
+    """`flat` (one all-reduce), `hierarchical` (exact: intra reduce-scatter, inter all-reduce, intra
+    all-gather) or `selective` (SYNC tensors every step, LOCAL inside groups with periodic reconciliation)."""
+
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    """How the topology is discovered and planned."""
+
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    """Which tensors are reduced globally every step (`selective`)."""
+
+    local: LocalConfig = Field(default_factory=LocalConfig)
+    """How LOCAL tensors are reduced and reconciled (`selective`)."""
+
+    importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
+    """How tensor importance is scored (`selective`)."""
+
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    """Wire formats and bucketing."""
+
+    fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+    """Timeouts and behaviour on a topology with one tier."""
+
+    adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig)
+    """Adaptation to slow or congested links."""
+
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    """Statistics logging."""
+
+    # -- construction helpers ----------------------------------------------------------------------
+
+    @classmethod
+    def from_block(cls, block: Any, *, where: str = "topo_align") -> TopoAlignConfig:
+        """Validate a block (a dict) and raise :class:`ConfigError` with one readable line on failure."""
+        if not isinstance(block, dict):
+            raise ConfigError(
+                f"{where}: expected a JSON object (the \"topo_align\" block), got {type(block).__name__}"
+            )
+        try:
+            return cls.model_validate(block)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix=where)) from None
+        except RecursionError:
+            raise ConfigError(f"{where}: nested too deeply") from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> TopoAlignConfig:
+        """Read a JSON file holding the block, or a whole DeepSpeed config with a "topo_align" key."""
+        data = load_json_file(path, what="topo-align config")
+        if isinstance(data, dict) and "topo_align" in data:
+            return cls.from_block(data["topo_align"], where=f"{path}: topo_align")
+        return cls.from_block(data, where=str(path))
+
+    @classmethod
+    def from_deepspeed_config(cls, ds_config: Any) -> TopoAlignConfig | None:
+        """The block of a DeepSpeed config (dict or path), or None when it has none."""
+        if isinstance(ds_config, (str, os.PathLike)):
+            ds_config = load_json_file(ds_config, what="DeepSpeed config")
+        if not isinstance(ds_config, dict) or "topo_align" not in ds_config:
+            return None
+        return cls.from_block(ds_config["topo_align"])
+
+    def with_overrides(self, overrides: dict[str, Any]) -> TopoAlignConfig:
+        """A copy with dotted-key overrides applied, e.g. ``{"local.reconcile_interval": 8}``."""
+        data = self.model_dump()
+        for dotted, value in overrides.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                if key not in node or not isinstance(node[key], dict):
+                    raise ConfigError(f"topo_align: unknown section {dotted!r} in override")
+                node = node[key]
+            if leaf not in node:
+                raise ConfigError(f"topo_align: unknown field {dotted!r} in override")
+            node[leaf] = value
+        return TopoAlignConfig.from_block(data)
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of decoded JSON, iteratively (no recursion on hostile input)."""
+    stack = [(obj, 1)]
+    deepest = 0
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(node, dict):
+            stack.extend((v, d + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node)
+    return deepest
+
+
+def load_json_text(text: str, *, where: str) -> Any:
+    """Decode JSON text; every failure becomes a one-line :class:`ConfigError`."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:  # e.g. integers with too many digits
+        raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise ConfigError(f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels)")
+    return data
+
+
+def load_json_file(path: str | os.PathLike[str], *, what: str) -> Any:
+    """Read and decode a JSON file with size, encoding and nesting checks."""
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {what} is {size} bytes; at most {MAX_CONFIG_BYTES} are accepted")
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except ConfigError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: {what} is not UTF-8 text") from None
+    return load_json_text(text, where=str(path))
+
+
+def format_validation_error(exc: ValidationError, *, prefix: str = "topo_align") -> str:
+    """One line per problem: ``prefix.field.path: got VALUE; MESSAGE``, joined with '; '."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        field = f"{prefix}.{loc}" if loc else prefix
+        value = err.get("input")
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"{field}: unknown key (value {shown}); see `topo-align schema` for the accepted keys")
+        else:
+            parts.append(f"{field}: got {shown}; {msg}")
+    return "; ".join(parts) if parts else str(exc)

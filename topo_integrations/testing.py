@@ -1,0 +1,122 @@
+"""Multi-rank CPU harness: run a function on N gloo ranks in spawned processes, fail together.
+
+Used by the test suite, the benchmarks and the convergence scripts. Each rank runs
+``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``; its return value (picklable)
+comes back to the caller. If any rank raises or dies, the others are killed at once and
+:class:`WorldError` carries the failing rank's traceback, so a broken rank never leaves the rest
+waiting in a collective. The whole world is bounded by ``timeout`` seconds.
+
+Start the ranks once per test module and run many checks inside them: importing DeepSpeed or
+Megatron and creating groups costs seconds per process on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+__all__ = ["WorldError", "run_world", "free_port"]
+
+
+class WorldError(RuntimeError):
+    """A rank failed, died or the world timed out; the message holds the first failure."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict, results, pg_timeout: float):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+    })
+    # Two cores for the whole world: one intra-op thread per rank avoids oversubscription stalls.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_world(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    pg_timeout: float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(r, world_size, port, fn, args, dict(env or {}), results, pg_timeout or timeout),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    failure: str | None = None
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failure = f"world of {world_size} timed out after {timeout:.0f}s; ranks done: {sorted(out)}"
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+                if dead:
+                    # A rank died without reporting (segfault, OOM kill, os._exit).
+                    failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                    break
+                continue
+            if status == "error":
+                failure = f"rank {rank} failed: {payload}"
+                break
+            out[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive() and failure is not None:
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if failure is not None:
+        raise WorldError(failure)
+    return [out[r] for r in range(world_size)]

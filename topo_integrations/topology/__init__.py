@@ -1,0 +1,13 @@
+"""Topology model, sources and the group planner (pure Python; no torch.distributed needed to plan)."""
+
+from .file_source import load_topology_file, topology_from_dict, topology_to_dict
+from .hostlist import compress_hostlist, expand_hostlist
+from .model import DEFAULT_TIERS, TIER_NAMES, RankPlace, Tier, Topology, TopologyError
+from .planner import Plan, PlanError, plan_groups
+
+__all__ = [
+    "DEFAULT_TIERS", "TIER_NAMES", "RankPlace", "Tier", "Topology", "TopologyError",
+    "Plan", "PlanError", "plan_groups",
+    "load_topology_file", "topology_from_dict", "topology_to_dict",
+    "expand_hostlist", "compress_hostlist",
+]
