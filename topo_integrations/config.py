@@ -296,11 +296,13 @@ def load_json_file(path: str | os.PathLike[str], *, what: str) -> Any:
         if size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{path}: {what} is {size} bytes; at most {MAX_CONFIG_BYTES} are accepted")
         with open(path, "rb") as fh:
-            raw = fh.read()
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:  # a device or pipe (e.g. /dev/zero) whose size stat() does not tell
+            raise ConfigError(f"{path}: {what} is more than {MAX_CONFIG_BYTES} bytes; at most {MAX_CONFIG_BYTES} are accepted")
     except ConfigError:
         raise
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
+        raise ConfigError(f"{path}: cannot read {what} ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

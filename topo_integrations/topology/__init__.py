@@ -4,10 +4,13 @@ from .file_source import load_topology_file, topology_from_dict, topology_to_dic
 from .hostlist import compress_hostlist, expand_hostlist
 from .model import DEFAULT_TIERS, TIER_NAMES, RankPlace, Tier, Topology, TopologyError
 from .planner import Plan, PlanError, plan_groups
+from .hostnames import topology_from_hostnames
+from .sources import KINDS, load_source, load_sources
 
 __all__ = [
     "DEFAULT_TIERS", "TIER_NAMES", "RankPlace", "Tier", "Topology", "TopologyError",
     "Plan", "PlanError", "plan_groups",
     "load_topology_file", "topology_from_dict", "topology_to_dict",
     "expand_hostlist", "compress_hostlist",
+    "KINDS", "load_source", "load_sources", "topology_from_hostnames",
 ]

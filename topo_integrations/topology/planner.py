@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from .model import Topology, TopologyError
 
-__all__ = ["Plan", "PlanError", "plan_groups"]
+__all__ = ["Plan", "PlanError", "plan_groups", "recommended_host_order"]
 
 
 class PlanError(TopologyError):
@@ -27,6 +27,7 @@ class PlanError(TopologyError):
 
 
 Groups = tuple[tuple[int, ...], ...]
+_PLURAL = {"island": "islands", "leaf": "leaves"}
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,21 @@ def _slowest(topo: Topology, tiers: list[str]) -> tuple[str, float]:
     return name, topo.tiers[name].effective_gbps
 
 
+def recommended_host_order(topo: Topology) -> tuple[tuple[str, ...], int]:
+    """Hosts grouped by pod, then leaf (each in order of first appearance), keeping each leaf's own
+    host order; and how many positions differ from the current order. Needs no equal islands."""
+    first_seen: dict[tuple[str, str], int] = {}
+    host_key: dict[str, tuple[int, int]] = {}
+    for p in topo.ranks:
+        k = (p.pod, p.leaf)
+        first_seen.setdefault(k, len(first_seen))
+        if p.host not in host_key:
+            host_key[p.host] = (first_seen[k], len(host_key))
+    current = list(host_key)
+    host_order = tuple(sorted(current, key=lambda h: host_key[h]))
+    return host_order, sum(1 for a, b in zip(current, host_order) if a != b)
+
+
 def plan_groups(
     topo: Topology,
     *,
@@ -149,16 +165,7 @@ def plan_groups(
     notes: list[str] = []
 
     # 1. Host order: by pod, then leaf, keeping each leaf's own host order.
-    first_seen: dict[tuple[str, str], int] = {}
-    host_key: dict[str, tuple[int, int]] = {}
-    for p in topo.ranks:
-        k = (p.pod, p.leaf)
-        first_seen.setdefault(k, len(first_seen))
-        if p.host not in host_key:
-            host_key[p.host] = (first_seen[k], len(host_key))
-    current = list(host_key)
-    host_order = tuple(sorted(current, key=lambda h: host_key[h]))
-    moved = sum(1 for a, b in zip(current, host_order) if a != b)
+    host_order, moved = recommended_host_order(topo)
     if moved:
         notes.append(f"{moved} hosts are not ordered by leaf; `topo-align hostfile` writes the recommended order")
 
@@ -188,8 +195,8 @@ def plan_groups(
                   f"({inter_bw:g} GB/s) differ by {ratio:.2f}x < min_tier_ratio {min_tier_ratio:g}")
     hierarchical = not reason
     if hierarchical:
-        _check_equal(intra, f"{group_by}s", topo)
-        reason = (f"{len(intra_lists)} {group_by}s of {len(intra_lists[0])} ranks; intra tier '{intra_tier}' "
+        _check_equal(intra, _PLURAL[group_by], topo)
+        reason = (f"{len(intra_lists)} {_PLURAL[group_by]} of {len(intra_lists[0])} ranks; intra tier '{intra_tier}' "
                   f"{intra_bw:g} GB/s vs inter tier '{inter_tier}' {inter_bw:g} GB/s ({ratio:.1f}x)")
         inter = _rails(intra_lists)
     else:

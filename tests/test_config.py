@@ -1,0 +1,100 @@
+"""TopoAlignConfig: defaults equal DESIGN.md 5.1, every rejection names field, value and what is accepted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from topo_integrations.config import ConfigError, TopoAlignConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+DESIGN_BLOCK = {
+    "enabled": True,
+    "mode": "selective",
+    "topology": {"source": "auto", "file": None, "group_by": "island", "min_tier_ratio": 1.3},
+    "sync": {"last_n_layers": 5, "always_sync": ["output_layer", "lm_head"], "top_fraction": 0.15, "dtype": "fp32"},
+    "local": {"dtype": "fp16", "reconcile_interval": 4, "async_reconcile": True},
+    "importance": {"method": "fisher", "ema_decay": 0.99, "refresh_interval": 200},
+    "communication": {"inter_dtype": "fp32", "error_feedback": True, "bucket_size_mb": 25, "overlap": True},
+    "fallback": {"timeout_s": 600, "on_flat_topology": "flat"},
+    "adaptive": {"enabled": False, "check_interval": 100},
+    "monitor": {"log_interval": 10},
+}
+
+
+def test_design_block_is_accepted_and_equals_defaults():
+    cfg = TopoAlignConfig.from_block(DESIGN_BLOCK)
+    assert cfg == TopoAlignConfig()
+    assert cfg.local.reconcile_interval == 4 and cfg.sync.top_fraction == 0.15
+
+
+@pytest.mark.parametrize("block,message", [
+    ({"mode": "fast"}, "topo_align.mode: got 'fast'; Input should be 'flat', 'hierarchical' or 'selective'"),
+    ({"sync": {"top_fraction": 1.5}}, "topo_align.sync.top_fraction: got 1.5; Input should be less than or equal to 1"),
+    ({"local": {"reconcile_interval": 0}},
+     "topo_align.local.reconcile_interval: got 0; Input should be greater than or equal to 1"),
+    ({"sync": {"dtype": "int8"}}, "topo_align.sync.dtype: got 'int8'; Input should be 'fp32', 'bf16' or 'fp16'"),
+    ({"local": {"reconcile_interval": "5"}}, "topo_align.local.reconcile_interval: got '5'; Input should be a valid integer"),
+    ({"bogus": 1}, "topo_align.bogus: unknown key (value 1); see `topo-align schema` for the accepted keys"),
+    ([], 'topo_align: expected a JSON object (the "topo_align" block), got list'),
+])
+def test_exact_messages(block, message):
+    with pytest.raises(ConfigError) as err:
+        TopoAlignConfig.from_block(block)
+    assert str(err.value) == message
+
+
+def test_cross_field_file_required():
+    with pytest.raises(ConfigError, match=r"topology.file is required when topology.source is 'slurm'"):
+        TopoAlignConfig.from_block({"topology": {"source": "slurm"}})
+    ok = TopoAlignConfig.from_block({"topology": {"source": "slurm", "file": "topology.conf,dgx[001-004]"}})
+    assert ok.topology.file == "topology.conf,dgx[001-004]"
+
+
+def test_errors_are_value_errors():
+    assert issubclass(ConfigError, ValueError) and issubclass(ValidationError, ValueError)
+    with pytest.raises(ValueError):
+        TopoAlignConfig.model_validate({"mode": 3})
+
+
+def test_from_file_block_and_whole_deepspeed_config(tmp_path):
+    p = tmp_path / "block.json"
+    p.write_text(json.dumps({"mode": "hierarchical"}))
+    assert TopoAlignConfig.from_file(p).mode == "hierarchical"
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "topo_align": {"local": {"reconcile_interval": 8}}}))
+    assert TopoAlignConfig.from_file(ds).local.reconcile_interval == 8
+    assert TopoAlignConfig.from_deepspeed_config({"train_batch_size": 8}) is None
+    ds.write_text(json.dumps({"topo_align": {"local": {"dtype": "fp8"}}}))
+    with pytest.raises(ConfigError) as err:
+        TopoAlignConfig.from_file(ds)
+    assert str(err.value) == f"{ds}: topo_align.local.dtype: got 'fp8'; Input should be 'fp32', 'bf16' or 'fp16'"
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"{", "not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b"{" + b'"a":{' * 70 + b"}" * 71, "JSON nested too deeply (more than 64 levels)"),
+])
+def test_from_file_bad_files(tmp_path, content, needle):
+    p = tmp_path / "c.json"
+    p.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        TopoAlignConfig.from_file(p)
+    assert needle in str(err.value) and str(err.value).startswith(str(p))
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match=r"cannot read topo-align config \(No such file or directory\)"):
+        TopoAlignConfig.from_file("/nonexistent/x.json")
+
+
+def test_with_overrides():
+    cfg = TopoAlignConfig().with_overrides({"local.reconcile_interval": 8, "mode": "flat"})
+    assert (cfg.local.reconcile_interval, cfg.mode) == (8, "flat")
+    with pytest.raises(ConfigError, match=r"unknown field 'local.interval'"):
+        TopoAlignConfig().with_overrides({"local.interval": 8})

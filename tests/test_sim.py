@@ -1,0 +1,388 @@
+"""Cost model (topo_integrations.sim): closed forms to 1e-9 relative, layouts, CLI, and speed at 16k GPUs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from topo_integrations.config import TopoAlignConfig
+from topo_integrations.sim import ALGORITHMS, SelectiveSpec, SimError, SimOptions, Workload, bucket_timeline, dp_groups, simulate
+from topo_integrations.sim.algorithms import (
+    double_binary_tree, flat_ring, hierarchical_2level, hierarchical_3level, selective, split_groups,
+)
+from topo_integrations.sim.cli import main as sim_main
+from topo_integrations.sim.model import Fabric, apply_rank_order
+from topo_integrations.sim.workload import megatron_param_count, read_megatron_args
+from topo_integrations.topology import Tier, Topology, plan_groups, topology_from_dict
+
+pytestmark = pytest.mark.timeout(60)
+
+GB = 1e9
+S = 3.7e9  # bytes per rank; an odd size so no formula is accidentally exact
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+def topo(leaves: int, hosts: int, gpus: int, *, isl=(230.0, 2.0), leaf=(24.0, 7.0), spine=(24.0, 10.0, 1.0),
+         host=(20.0, 5.0), island_size=None) -> Topology:
+    return topology_from_dict({
+        "name": "t", "gpus_per_node": gpus, "island_size": island_size,
+        "tiers": {"island": {"bandwidth_gbps": isl[0], "latency_us": isl[1]},
+                  "host": {"bandwidth_gbps": host[0], "latency_us": host[1]},
+                  "leaf": {"bandwidth_gbps": leaf[0], "latency_us": leaf[1]},
+                  "spine": {"bandwidth_gbps": spine[0], "latency_us": spine[1], "oversubscription": spine[2]}},
+        "leaves": [{"name": f"L{i}", "hosts": [f"h{i}-{j}" for j in range(hosts)]} for i in range(leaves)],
+    })
+
+
+def pure_dp(t: Topology) -> np.ndarray:
+    return dp_groups(t.world_size, 1, 1)
+
+
+# -- closed forms -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 5, 16])
+def test_ring_allreduce_closed_form_across_hosts(n):
+    t = topo(1, n, 1, leaf=(24.0, 7.0))
+    c = flat_ring(Fabric.from_topology(t), pure_dp(t), S)
+    expect = 2 * (n - 1) / n * S / (24.0 * GB) + 2 * (n - 1) * 7e-6
+    assert rel(c.comm_s(), expect) < 1e-9
+    # every byte crosses a NIC under one leaf, nothing else is used
+    tb = c.tier_bytes()
+    assert rel(tb["leaf"], n * 2 * (n - 1) / n * S) < 1e-9
+    assert tb["island"] == tb["spine"] == tb["host"] == 0.0
+
+
+def test_ring_allreduce_closed_form_inside_island():
+    t = topo(1, 1, 8, isl=(230.0, 2.0))
+    c = flat_ring(Fabric.from_topology(t), pure_dp(t), S)
+    assert rel(c.comm_s(), 2 * 7 / 8 * S / (230 * GB) + 2 * 7 * 2e-6) < 1e-9
+
+
+def test_ring_multi_gpu_hosts_is_nic_bound_with_pooled_nics():
+    # 4 hosts x 8 GPUs: one ring edge per host leaves it; NCCL spreads channels over the 8 NICs.
+    t = topo(1, 4, 8, isl=(230.0, 2.0), leaf=(24.0, 7.0))
+    n = 32
+    c = flat_ring(Fabric.from_topology(t), pure_dp(t), S)
+    bw = 2 * (n - 1) / n * S / (8 * 24.0 * GB)
+    assert bw > 2 * (n - 1) / n * S / (230 * GB)  # NIC-bound, not NVLink-bound
+    assert rel(c.comm_s(), bw + 2 * (n - 1) * 7e-6) < 1e-9
+
+
+def test_hierarchical_2level_phases_closed_form():
+    g, hosts = 4, 3
+    t = topo(1, hosts, g, isl=(230.0, 2.0), leaf=(24.0, 7.0))
+    fab = Fabric.from_topology(t)
+    b2b = hierarchical_2level(fab, pure_dp(t), S, pipelined=False)
+    ph = b2b.streams[0].phases
+    rs = (g - 1) / g * S / (230 * GB)
+    ar = 2 * (hosts - 1) / hosts * (S / g) / (24.0 * GB)
+    assert rel(ph[0].bandwidth_s(), rs) < 1e-9 and rel(ph[0].latency_s, (g - 1) * 2e-6) < 1e-9
+    assert rel(ph[1].bandwidth_s(), ar) < 1e-9 and rel(ph[1].latency_s, 2 * (hosts - 1) * 7e-6) < 1e-9
+    assert rel(ph[2].bandwidth_s(), rs) < 1e-9 and rel(ph[2].latency_s, (g - 1) * 2e-6) < 1e-9
+    lat = 2 * (g - 1) * 2e-6 + 2 * (hosts - 1) * 7e-6
+    assert rel(b2b.comm_s(), 2 * rs + ar + lat) < 1e-9
+    pipe = hierarchical_2level(fab, pure_dp(t), S, pipelined=True)
+    assert rel(pipe.comm_s(), max(2 * rs, ar) + lat) < 1e-9
+    # The inter wire dtype only scales the rail phase.
+    fp32 = hierarchical_2level(fab, pure_dp(t), S, pipelined=False, inter_bytes=2 * S)
+    assert rel(fp32.comm_s(), 2 * rs + 2 * ar + lat) < 1e-9
+
+
+def test_hierarchical_3level_phases_closed_form():
+    g, q, L = 4, 3, 2  # 4 GPUs per host, 3 hosts per leaf, 2 leaves
+    t = topo(L, q, g, isl=(200.0, 2.0), leaf=(25.0, 7.0), spine=(25.0, 11.0, 1.0))
+    c = hierarchical_3level(Fabric.from_topology(t), pure_dp(t), S, pipelined=False)
+    ph = c.streams[0].phases
+    assert [p.name for p in ph] == ["island reduce-scatter", "leaf-rail reduce-scatter", "spine-rail all-reduce",
+                                    "leaf-rail all-gather", "island all-gather"]
+    isl = (g - 1) / g * S / (200 * GB)
+    leaf = (q - 1) / q * (S / g) / (25 * GB)
+    spine = 2 * (L - 1) / L * (S / (g * q)) / (25 * GB)
+    for p, bw, lat in zip(ph, (isl, leaf, spine, leaf, isl),
+                          ((g - 1) * 2e-6, (q - 1) * 7e-6, 2 * (L - 1) * 11e-6, (q - 1) * 7e-6, (g - 1) * 2e-6)):
+        assert rel(p.bandwidth_s(), bw) < 1e-9, p.name
+        assert rel(p.latency_s, lat) < 1e-9, p.name
+    # the spine phase is the only one that crosses leaves
+    assert ph[2].tier_bytes["spine"] > 0 and all(p.tier_bytes["spine"] == 0 for i, p in enumerate(ph) if i != 2)
+
+
+def test_oversubscribed_spine_ring_leaf_order_vs_scattered():
+    # 2 leaves x 2 hosts x 1 GPU, spine 4:1: a leaf's uplinks carry gpus_in_leaf * 24 / 4 = 12 GB/s.
+    tiers = {"island": Tier("island", 230.0, 2.0), "host": Tier("host", 20.0, 5.0),
+             "leaf": Tier("leaf", 24.0, 7.0), "spine": Tier("spine", 24.0, 10.0, 4.0)}
+    inter = Topology.from_hosts([("a", 1), ("b", 1), ("c", 1), ("d", 1)],
+                                leaf_of={"a": "L0", "b": "L1", "c": "L0", "d": "L1"}, tiers=tiers)
+    n = 4
+    per_edge = 2 * (n - 1) / n * S
+    cap_up = 2 * 24.0 / 4.0 * GB
+    # as listed (interleaved): every edge crosses the spine, 2 per leaf
+    c = flat_ring(Fabric.from_topology(inter), pure_dp(inter), S)
+    assert rel(c.comm_s(), 2 * per_edge / cap_up + 2 * (n - 1) * 10e-6) < 1e-9
+    assert c.tier_seconds()["spine"] > c.tier_seconds()["leaf"]
+    # ordered by leaf: one crossing per leaf; uplink time = NIC time... still slower: 12 < 24 GB/s
+    ordered = apply_rank_order(inter, "leaf")
+    assert [p.host for p in ordered.ranks] == ["a", "c", "b", "d"]
+    c2 = flat_ring(Fabric.from_topology(ordered), pure_dp(ordered), S)
+    assert rel(c2.comm_s(), per_edge / cap_up + 2 * (n - 1) * 10e-6) < 1e-9
+    # at 1:1 the ordered ring is NIC-bound
+    flat = ordered.with_tiers(spine=Tier("spine", 24.0, 10.0, 1.0))
+    c3 = flat_ring(Fabric.from_topology(flat), pure_dp(flat), S)
+    assert rel(c3.comm_s(), per_edge / (24 * GB) + 2 * (n - 1) * 10e-6) < 1e-9
+
+
+def test_double_binary_tree_closed_form():
+    # 4 hosts x 1 GPU: NCCL btree parents [-1, 2, 0, 2], mirrored second tree; ranks 1 and 2 each send 2S.
+    t = topo(1, 4, 1, leaf=(24.0, 7.0))
+    c = double_binary_tree(Fabric.from_topology(t), pure_dp(t), S)
+    assert rel(c.comm_s(), 2 * S / (24 * GB) + 2 * 2 * 7e-6) < 1e-9
+    assert rel(c.tier_bytes()["leaf"], 6 * S) < 1e-9  # 3 edges x 2 trees x (S/2 up + S/2 down)
+
+
+def test_selective_byte_formula():
+    g, R = 8, 6
+    t = topo(2, 3, g)
+    E = 1.3e9
+    spec = SelectiveSpec(top_fraction=0.15, last_n_share=0.1, sync_bytes=4, local_bytes=2, reconcile_bytes=4,
+                         reconcile_interval=4, async_reconcile=False)
+    f = 0.25
+    c = selective(Fabric.from_topology(t), pure_dp(t), E, spec)
+    tb = c.tier_bytes()
+    world = g * R
+    inter = 2 * (R - 1) / R * (f * E * 4 / g) + 2 * (R - 1) / R * ((1 - f) * E * 4 / g) / 4
+    assert rel((tb["leaf"] + tb["spine"]) / world, inter) < 1e-9
+    island = (2 * (g - 1) / g * f * E * 4  # SYNC reduce-scatter + all-gather
+              + 2 * (g - 1) / g * (1 - f) * E * 2  # LOCAL all-reduce in the island
+              + (g - 1) / g * (1 - f) * E * 4 / 4)  # reconcile all-gather, every 4th step
+    assert rel(tb["island"] / world, island) < 1e-9
+    # top_fraction = 1 makes selective the back-to-back hierarchical all-reduce in the sync dtype
+    full = selective(Fabric.from_topology(t), pure_dp(t), E, SelectiveSpec(top_fraction=1.0, sync_bytes=4))
+    h = hierarchical_2level(Fabric.from_topology(t), pure_dp(t), 4 * E, pipelined=False)
+    assert rel(full.comm_s(), h.comm_s()) < 1e-9 and not full.background
+
+
+def test_split_groups_match_planner():
+    t = topo(2, 3, 4)
+    intra, rails = split_groups(Fabric.from_topology(t), pure_dp(t), "island")
+    plan = plan_groups(t)
+    assert [tuple(x) for x in intra.tolist()] == list(plan.intra_groups)
+    assert [tuple(x) for x in rails.tolist()] == list(plan.inter_groups)
+
+
+def test_bucket_timeline():
+    # 4 buckets of 2 s each arrive every 1 s of a 4 s backward: the queue ends at 9 s, 5 s exposed.
+    tl = bucket_timeline(4e9, 1e9, 8.0, 0.0, 4.0, True)
+    assert tl.n_buckets == 4 and tl.end_s == pytest.approx(9.0, rel=1e-12) and tl.exposed_s == pytest.approx(5.0)
+    assert bucket_timeline(4e9, 1e9, 8.0, 0.0, 4.0, False).exposed_s == pytest.approx(8.0)
+    # fast links: only the last bucket is exposed; latency is paid per bucket
+    tl = bucket_timeline(4e9, 1.5e9, 0.3, 0.01, 4.0, True)
+    assert tl.n_buckets == 3 and tl.exposed_s == pytest.approx(0.01 + 0.3 * 1.0 / 4.0)
+    with pytest.raises(SimError, match="bucket size"):
+        bucket_timeline(1.0, 0.0, 1.0, 0.0, 1.0, True)
+
+
+# -- layouts and workloads ----------------------------------------------------------------------------
+
+
+def test_dp_groups_megatron_order():
+    g = dp_groups(16, 2, 2)
+    assert g.tolist() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+
+
+def test_tp8_makes_dp_groups_rails_and_hierarchy_moot():
+    t = topo(2, 4, 8)
+    res = simulate(t, Workload(8e9, "bf16", tp=8, compute_s=10.0), SimOptions(overlap=False))
+    ring, h2 = res.row("ring"), res.row("hier2")
+    assert ring.tier_bytes_per_gpu["island"] == 0.0  # DP peers are on different hosts
+    assert rel(ring.comm_s, h2.comm_s) < 1e-9
+    n = 8
+    expect = 2 * (n - 1) / n * (8e9 / 8 * 2) / (24 * GB) + 2 * (n - 1) * 10e-6
+    assert rel(ring.comm_s, expect) < 1e-9
+    assert any("hier3" in x for x in res.notes) or res.row("hier3")
+
+
+def test_compute_from_flops():
+    wl = Workload(175e9, mfu=0.35, peak_tflops=312.0, tokens_per_step=1536 * 2048)
+    assert rel(wl.compute_seconds(960), 6 * 175e9 * 1536 * 2048 / (960 * 0.35 * 312e12)) < 1e-12
+    with pytest.raises(SimError, match="--compute-s"):
+        Workload(1e9).validate(8)
+    with pytest.raises(SimError, match=r"tp x pp = 3 x 1 = 3 does not divide the 8 GPUs"):
+        Workload(1e9, tp=3, compute_s=1.0).validate(8)
+
+
+def test_megatron_args_and_deepspeed_config(tmp_path):
+    cfg = tmp_path / "ta.json"
+    cfg.write_text(json.dumps({"mode": "selective", "sync": {"top_fraction": 0.3, "last_n_layers": 2}}))
+    args = tmp_path / "gpt.args"
+    args.write_text(f"""# GPT-3 175B
+--num-layers 96 --hidden-size 12288 \\
+  --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 --bf16
+--global-batch-size 1536 --seq-length 2048 --topo-align --topo-align-config {cfg} --topo-align-reconcile-interval 8
+""")
+    flags = read_megatron_args(str(args))
+    assert flags["num-layers"] == "96" and flags["bf16"] is True and flags["topo-align"] is True
+    from topo_integrations.sim.workload import workload_from_deepspeed_config, workload_from_megatron_args
+
+    wl = workload_from_megatron_args(str(args), Workload(1.0))
+    assert wl.tp == 8 and wl.pp == 8 and wl.num_layers == 96 and wl.grad_dtype == "bf16"
+    assert wl.params == megatron_param_count(96, 12288) and 174e9 < wl.params < 176e9
+    assert wl.tokens_per_step == 1536 * 2048
+    assert wl.topo_align.sync.top_fraction == 0.3 and wl.topo_align.local.reconcile_interval == 8
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "bf16": {"enabled": True},
+                              "topo_align": {"local": {"reconcile_interval": 16, "async_reconcile": False}}}))
+    wl2 = workload_from_deepspeed_config(str(ds), Workload(1.0, grad_dtype="fp32"))
+    assert wl2.grad_dtype == "bf16" and isinstance(wl2.topo_align, TopoAlignConfig)
+    assert wl2.topo_align.local.reconcile_interval == 16
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"topo_align": {"sync": {"top_fractoin": 0.1}}}))
+    with pytest.raises(SimError, match="top_fractoin"):
+        workload_from_deepspeed_config(str(bad), Workload(1.0))
+
+
+def test_reconcile_sync_vs_async_in_step_time():
+    t = topo(2, 2, 8)
+    base = dict(top_fraction=0.1, last_n_share=0.0, algorithms=("selective",), reconcile_interval=2, overlap=True)
+    wl = Workload(2e9, "bf16", compute_s=5.0)
+    sync = simulate(t, wl, SimOptions(**base, async_reconcile=False)).row("selective")
+    asy = simulate(t, wl, SimOptions(**base, async_reconcile=True)).row("selective")
+    assert sync.background_s > 0
+    assert rel(sync.step_s - asy.step_s, sync.background_s) < 1e-9  # hidden behind 5 s of compute
+
+
+# -- the 960-GPU SuperPOD against research/topo.md's first estimate -----------------------------------
+
+
+def superpod(over: float = 1.0) -> Topology:
+    return topology_from_dict({
+        "name": "superpod", "gpus_per_node": 8,
+        "tiers": {"island": {"bandwidth_gbps": 230, "latency_us": 6}, "leaf": {"bandwidth_gbps": 24, "latency_us": 14},
+                  "spine": {"bandwidth_gbps": 24, "latency_us": 14, "oversubscription": over}},
+        "leaves": [{"name": f"su{i}", "hosts": f"dgx{i}[01-20]"} for i in range(6)],
+    })
+
+
+def test_superpod_960_agrees_with_first_estimate():
+    res = simulate(superpod(), Workload(175e9, "bf16", compute_s=30.0), SimOptions(overlap=False))
+    # research/costmodel_960gpu_output.txt: ring 3.655 s, 2-level 3.619 / 6.282 s, 3-level 3.616 s
+    assert rel(res.row("ring").comm_s, 3.655) < 0.01
+    assert rel(res.row("hier2").comm_s, 3.619) < 0.001
+    assert rel(res.row("hier2-b2b").comm_s, 6.282) < 0.001
+    assert rel(res.row("hier3").comm_s, 3.616) < 0.001
+    assert res.row("ring").bottleneck == "leaf"
+    tp = simulate(superpod(), Workload(175e9, "bf16", tp=8, pp=8, compute_s=30.0), SimOptions(overlap=False))
+    assert rel(tp.row("ring").comm_s, 0.426) < 0.01  # "0.426 s/step"
+
+
+# -- CLI and speed ------------------------------------------------------------------------------------
+
+
+def _write_topo(tmp_path, over=2.0):
+    from topo_integrations.topology import topology_to_dict
+
+    p = tmp_path / "sp.json"
+    p.write_text(json.dumps(topology_to_dict(superpod(over))))
+    return str(p)
+
+
+def test_cli_json_plot_and_errors(tmp_path, capsys):
+    topo_file = _write_topo(tmp_path)
+    png = tmp_path / "p.png"
+    rc = sim_main(["--topology", topo_file, "--params", "175e9", "--tp", "8", "--pp", "8", "--compute-s", "30",
+                   "--rank-order", "scattered", "--json", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(out)
+    assert data["workload"]["dp"] == 15 and data["options"]["rank_order"] == "scattered"
+    assert {r["key"] for r in data["rows"]} >= {"ring", "hier2", "selective"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for argv, msg in (
+        (["--params", "175e9", "--tp", "7", "--compute-s", "1"], "tp x pp = 7 x 1 = 7 does not divide the 960 GPUs"),
+        (["--compute-s", "1"], "model size unknown: give --params"),
+        (["--params", "1e9", "--compute-s", "1", "--algorithms", "ring,fast"], "algorithm 'fast'; expected a comma list"),
+        (["--params", "1e9"], "compute per step is unknown"),
+        (["--params", "1e9", "--compute-s", "1", "--top-fraction", "1.5"], "top_fraction = 1.5; expected a number in [0, 1]"),
+    ):
+        assert sim_main(["--topology", topo_file, *argv]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err
+    assert sim_main(["--topology", str(tmp_path / "missing.json"), "--params", "1e9", "--compute-s", "1"]) == 2
+    assert "cannot read topology file" in capsys.readouterr().err
+
+
+def test_python_m_entry_point(tmp_path):
+    topo_file = _write_topo(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "topo_integrations.sim", "--topology", topo_file, "--params", "1e9",
+                        "--compute-s", "1", "--algorithms", "ring,tree"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "Flat ring" in p.stdout and "Tree" in p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_16384_gpus_175b_under_5s():
+    t = topology_from_dict({
+        "name": "big", "gpus_per_node": 8,
+        "tiers": {"spine": {"bandwidth_gbps": 24, "latency_us": 10, "oversubscription": 2.0}},
+        "leaves": [{"name": f"su{i}", "hosts": f"n{i}-[001-032]"} for i in range(64)],
+    })
+    assert t.world_size == 16384
+    t0 = time.perf_counter()
+    res = simulate(t, Workload(175e9, "bf16", mfu=0.4, peak_tflops=312, tokens_per_step=4 * 2**20, num_layers=96),
+                   SimOptions(rank_order="scattered"))
+    took = time.perf_counter() - t0
+    assert took < 5.0, took
+    assert len(res.rows) == len(ALGORITHMS) and all(math.isfinite(r.step_s) for r in res.rows)
+
+
+# -- calibration script --------------------------------------------------------------------------------
+
+
+def _calibrate_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate_costmodel.py"
+    spec = importlib.util.spec_from_file_location("calibrate_costmodel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_calibration_script_compare_and_collect(tmp_path, capsys):
+    import pathlib
+
+    cal = _calibrate_module()
+    topo_file = str(pathlib.Path(__file__).parent / "fixtures" / "sim" / "virtual-2x2.json")
+    ring_s, ring_tx = cal.predict(topo_file, 4e6, "ring")
+    # 2 hosts x 2 ranks at 0.025 GB/s per rank: each node's 0.05 GB/s uplink sends 2(n-1)/n * 4 MB
+    assert rel(ring_s, 2 * 3 / 4 * 4e6 / 0.05e9 + 2 * 3 * 500e-6) < 1e-9 and rel(ring_tx, 6e6) < 1e-9
+    hier_s, _ = cal.predict(topo_file, 4e6, "hier2-b2b")
+    lines = tmp_path / "run.jsonl"
+    lines.write_text("\n".join(
+        "[rank %d] " % r + json.dumps({"rank": r, "numel": 1_000_000, "iters": 2, "phases": {
+            "flat": {"seconds": 2 * ring_s * (1.1 if r else 1.0), "node_tx_bytes": 2 * 6_100_000},
+            "hierarchical": {"seconds": 2 * hier_s * 0.9, "node_tx_bytes": 2 * 4_050_000}}})
+        for r in range(4)) + "\n")
+    out = tmp_path / "measured.json"
+    assert cal.main(["collect", "--name", "v2x2", "--topology", topo_file, "--lines", str(lines), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["presets"][0]["bytes"] == 4_000_000
+    assert rel(data["presets"][0]["measured"]["flat"], ring_s * 1.1) < 1e-9  # slowest rank, per iteration
+    capsys.readouterr()
+    assert cal.main(["compare", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "-9.1%" in table and "+11.1%" in table and "NO" not in table  # (pred - meas) / meas
+    assert cal.main(["compare", str(out), "--tolerance", "0.05"]) == 1
+    data["presets"][0]["measured"]["ring"] = "fast"
+    out.write_text(json.dumps(data))
+    assert cal.main(["compare", str(out)]) == 2
+    assert "presets[0].measured.ring = 'fast'" in capsys.readouterr().err

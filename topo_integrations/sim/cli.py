@@ -1,0 +1,137 @@
+"""`topo-align simulate`: argument parsing and running (the `topo-align` CLI imports add_arguments/run).
+
+Bad input raises a ValueError subclass inside; `run` prints its one-line message to stderr and
+returns 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from ..config import ConfigError
+from ..topology.file_source import load_topology_file
+from ..topology.model import TopologyError
+from .algorithms import ALGORITHMS
+from .model import DTYPE_BYTES, RANK_ORDERS, SimError
+from .scenario import SimOptions, options_from_block, simulate
+from .workload import Workload, workload_from_deepspeed_config, workload_from_megatron_args
+
+__all__ = ["add_arguments", "run", "main", "options_and_workload"]
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", required=True, metavar="FILE", help="JSON topology file (docs/topology-format.md)")
+    m = p.add_argument_group("model and layout")
+    m.add_argument("--params", type=_float, help="model parameters, e.g. 175e9")
+    m.add_argument("--grad-dtype", choices=list(DTYPE_BYTES), help="gradient dtype (default bf16)")
+    m.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    m.add_argument("--pp", type=int, help="pipeline-parallel size (default 1); DP = GPUs / (TP x PP)")
+    m.add_argument("--num-layers", type=int, help="transformer layers (for the last-N share of selective)")
+    m.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed config: precision and its topo_align block")
+    m.add_argument("--megatron-args", metavar="FILE", help="Megatron flags (.args or .json): model, TP/PP, batch, topo-align flags")
+    c = p.add_argument_group("compute per step")
+    c.add_argument("--compute-s", type=_float, help="forward+backward seconds per step")
+    c.add_argument("--mfu", type=_float, help="model FLOPs utilisation, e.g. 0.4")
+    c.add_argument("--peak-tflops", type=_float, help="peak TFLOP/s per GPU, e.g. 312 (A100 bf16)")
+    c.add_argument("--tokens-per-step", type=_float, help="global batch in tokens")
+    o = p.add_argument_group("algorithms and modes")
+    o.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma list of {', '.join(ALGORITHMS)}")
+    o.add_argument("--rank-order", choices=list(RANK_ORDERS), default="leaf",
+                   help="leaf: hosts grouped by leaf; scattered: seeded random host order; file: as written")
+    o.add_argument("--seed", type=int, default=0, help="seed of the scattered order")
+    o.add_argument("--group-by", choices=["island", "leaf"], help="intra group of hierarchical/selective")
+    o.add_argument("--bucket-mb", type=_float, help="bucket size, MiB (default 25)")
+    o.add_argument("--no-overlap", action="store_true", help="launch all buckets after backward")
+    o.add_argument("--inter-dtype", choices=list(DTYPE_BYTES), help="wire dtype of the plugin's cross-group phases")
+    o.add_argument("--top-fraction", type=_float, help="selective: SYNC share chosen by importance (default 0.15)")
+    o.add_argument("--last-n-layers", type=int, help="selective: last N layers always SYNC (default 5)")
+    o.add_argument("--last-n-share", type=_float, help="selective: share of the gradient in the last N layers (overrides the layer count)")
+    o.add_argument("--sync-dtype", choices=list(DTYPE_BYTES), help="selective: SYNC wire dtype (default fp32)")
+    o.add_argument("--local-dtype", choices=list(DTYPE_BYTES), help="selective: LOCAL wire dtype (default fp16)")
+    o.add_argument("--reconcile-dtype", choices=list(DTYPE_BYTES), help="selective: dtype of parameters averaged at reconciliation (default fp32)")
+    o.add_argument("--reconcile-interval", type=int, help="selective: steps between reconciliations (default 4)")
+    o.add_argument("--async-reconcile", dest="async_reconcile", action="store_true", default=None)
+    o.add_argument("--sync-reconcile", dest="async_reconcile", action="store_false")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--plot", metavar="FILE.png", help="write a PNG plot")
+
+
+def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions]:
+    """Defaults < config files (DeepSpeed / Megatron) < explicit flags."""
+    wl = Workload(params=1.0, grad_dtype="bf16")
+    params_known = False
+    if args.deepspeed_config:
+        wl = workload_from_deepspeed_config(args.deepspeed_config, wl)
+    if args.megatron_args:
+        before = wl.params
+        wl = workload_from_megatron_args(args.megatron_args, wl)
+        params_known = wl.params != before
+    kw = {}
+    for flag, field in (("params", "params"), ("grad_dtype", "grad_dtype"), ("tp", "tp"), ("pp", "pp"),
+                        ("num_layers", "num_layers"), ("compute_s", "compute_s"), ("mfu", "mfu"),
+                        ("peak_tflops", "peak_tflops"), ("tokens_per_step", "tokens_per_step")):
+        v = getattr(args, flag, None)
+        if v is not None:
+            kw[field] = v
+    if "params" in kw:
+        params_known = True
+    if not params_known:
+        raise SimError("model size unknown: give --params (e.g. 175e9) or --megatron-args with --num-layers and --hidden-size")
+    wl = wl.with_(**kw)
+    opt = options_from_block(wl.topo_align, SimOptions())
+    okw = {"algorithms": tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
+           "rank_order": args.rank_order, "seed": args.seed}
+    for flag in ("group_by", "bucket_mb", "inter_dtype", "top_fraction", "last_n_layers", "last_n_share",
+                 "sync_dtype", "local_dtype", "reconcile_dtype", "reconcile_interval", "async_reconcile"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            okw[flag] = v
+    if args.no_overlap:
+        okw["overlap"] = False
+    from dataclasses import replace
+
+    return wl, replace(opt, **okw)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        topo = load_topology_file(args.topology)
+        wl, opt = options_and_workload(args)
+        res = simulate(topo, wl, opt)
+        if args.plot:
+            from .report import plot_png
+
+            try:
+                plot_png(res, args.plot)
+            except OSError as exc:
+                raise SimError(f"--plot {args.plot}: cannot write ({exc.strerror or exc})") from None
+    except (SimError, TopologyError, ConfigError) as exc:
+        print(f"topo-align simulate: {exc}", file=sys.stderr)
+        return 2
+    from .report import render_table, to_json_text
+
+    if args.json:
+        print(to_json_text(res))
+    else:
+        render_table(res)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="topo-align simulate",
+                                description="Alpha-beta cost model of gradient reduction over a topology (simulated).")
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,250 @@
+"""Put it together: topology + workload + options -> per-algorithm step time, bytes and seconds per tier."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from ..topology.model import Topology
+from .algorithms import (
+    ALGORITHMS, CommCost, NotApplicable, SelectiveSpec, double_binary_tree, flat_ring, hierarchical_2level,
+    hierarchical_3level, selective,
+)
+from .model import DTYPE_BYTES, RANK_ORDERS, SIM_TIERS, Fabric, SimError, apply_rank_order, dtype_bytes
+from .overlap import bucket_timeline
+from .workload import Workload, dp_groups
+
+__all__ = ["SimOptions", "Row", "SimResult", "simulate", "options_from_block"]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
+    rank_order: str = "leaf"
+    seed: int = 0
+    bucket_mb: float = 25.0
+    """Bucket size in MiB of gradient (in the gradient dtype)."""
+    overlap: bool = True
+    inter_dtype: str | None = None
+    """Wire dtype of the plugin's cross-group phases (hier2-b2b, hier3*); None = gradient dtype.
+    The NCCL-style baseline ``hier2`` always uses the gradient dtype."""
+    group_by: str = "island"
+    top_fraction: float = 0.15
+    last_n_layers: int = 5
+    last_n_share: float | None = None
+    """Share of the gradient in the last N layers; None = last_n_layers / layers per pipeline stage."""
+    sync_dtype: str = "fp32"
+    local_dtype: str = "fp16"
+    reconcile_dtype: str = "fp32"
+    reconcile_interval: int = 4
+    async_reconcile: bool = True
+
+    def validate(self) -> None:
+        bad = [a for a in self.algorithms if a not in ALGORITHMS]
+        if bad or not self.algorithms:
+            raise SimError(f"algorithm {bad[0] if bad else ''!r}; expected a comma list of {list(ALGORITHMS)}")
+        if self.rank_order not in RANK_ORDERS:
+            raise SimError(f"rank order = {self.rank_order!r}; expected one of {list(RANK_ORDERS)}")
+        if self.group_by not in ("island", "leaf"):
+            raise SimError(f"group_by = {self.group_by!r}; expected 'island' or 'leaf'")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise SimError(f"bucket size = {self.bucket_mb!r} MiB; expected a positive number")
+        for what in ("sync_dtype", "local_dtype", "reconcile_dtype"):
+            dtype_bytes(getattr(self, what), what)
+        if self.inter_dtype is not None:
+            dtype_bytes(self.inter_dtype, "inter_dtype")
+        if isinstance(self.last_n_layers, bool) or not isinstance(self.last_n_layers, int) or self.last_n_layers < 0:
+            raise SimError(f"last_n_layers = {self.last_n_layers!r}; expected an integer >= 0")
+
+
+def options_from_block(block, base: SimOptions) -> SimOptions:
+    """Take the selective/communication settings of a validated TopoAlignConfig."""
+    if block is None:
+        return base
+    return replace(
+        base,
+        bucket_mb=block.communication.bucket_size_mb, overlap=block.communication.overlap,
+        inter_dtype=block.communication.inter_dtype, group_by=block.topology.group_by,
+        top_fraction=block.sync.top_fraction, last_n_layers=block.sync.last_n_layers,
+        sync_dtype=block.sync.dtype, local_dtype=block.local.dtype,
+        reconcile_interval=block.local.reconcile_interval, async_reconcile=block.local.async_reconcile,
+    )
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    comm_s: float
+    """One collective over the whole gradient, no buckets, no overlap."""
+    latency_s: float
+    bucket_latency_s: float
+    n_buckets: int
+    busy_s: float
+    """Link time of the busiest stream with buckets (sum of bucket times)."""
+    exposed_s: float
+    """Communication not hidden behind backward compute (incl. blocking reconciliation)."""
+    step_s: float
+    tier_bytes_per_gpu: dict[str, float]
+    tier_seconds: dict[str, float]
+    tier_share: dict[str, float]
+    bottleneck: str
+    background_s: float = 0.0
+    speedup_vs_ring: float = math.nan
+    speedup_vs_hier2: float = math.nan
+    comm_speedup_vs_ring: float = math.nan
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SimResult:
+    topology: dict
+    workload: dict
+    options: dict
+    compute_s: float
+    backward_s: float
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def row(self, key: str) -> Row:
+        for r in self.rows:
+            if r.key == key:
+                return r
+        raise KeyError(key)
+
+    def to_json(self) -> dict:
+        return {
+            "format": "topo-align/simulate/v1",
+            "topology": self.topology, "workload": self.workload, "options": self.options,
+            "compute_s": self.compute_s, "backward_s": self.backward_s,
+            "rows": [r.to_json() for r in self.rows], "notes": self.notes, "elapsed_s": self.elapsed_s,
+        }
+
+
+def _cost(key: str, fab: Fabric, groups, wl: Workload, opt: SimOptions, spec: SelectiveSpec) -> CommCost:
+    g_bytes = wl.grad_bytes
+    inter = wl.grad_elements * DTYPE_BYTES[opt.inter_dtype] if opt.inter_dtype else g_bytes
+    if key == "ring":
+        return flat_ring(fab, groups, g_bytes)
+    if key == "tree":
+        return double_binary_tree(fab, groups, g_bytes)
+    if key == "hier2":
+        return hierarchical_2level(fab, groups, g_bytes, pipelined=True, group_by=opt.group_by)
+    if key == "hier2-b2b":
+        return hierarchical_2level(fab, groups, g_bytes, pipelined=False, inter_bytes=inter, group_by=opt.group_by)
+    if key == "hier3":
+        return hierarchical_3level(fab, groups, g_bytes, pipelined=True, inter_bytes=inter)
+    if key == "hier3-b2b":
+        return hierarchical_3level(fab, groups, g_bytes, pipelined=False, inter_bytes=inter)
+    if key == "selective":
+        return selective(fab, groups, wl.grad_elements, spec, group_by=opt.group_by)
+    raise SimError(f"algorithm {key!r}; expected one of {list(ALGORITHMS)}")
+
+
+def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: float, backward_s: float) -> Row:
+    bucket_bytes = opt.bucket_mb * MIB
+    ends, exposed, busy, nb, blat = [], 0.0, 0.0, 0, 0.0
+    for s in cost.streams:
+        tl = bucket_timeline(s.grad_fraction * wl.grad_bytes, bucket_bytes, s.bandwidth_s, s.latency_s,
+                             backward_s, opt.overlap)
+        exposed = max(exposed, tl.exposed_s)
+        busy = max(busy, tl.busy_s)
+        nb += tl.n_buckets
+        blat = max(blat, s.latency_s)
+    bg = cost.background_s()
+    if cost.background and cost.background_blocking:
+        exposed += bg
+    elif cost.background:
+        # Async reconciliation shares the links with the gradient buckets; it is hidden while the
+        # links have idle time within the step.
+        exposed += max(0.0, busy + bg - (compute_s + exposed))
+    world = fab.world_size
+    tb = {t: v / world for t, v in cost.tier_bytes().items()}
+    ts = cost.tier_seconds()
+    tot = sum(ts.values())
+    share = {t: (v / tot if tot > 0 else 0.0) for t, v in ts.items()}
+    return Row(
+        key=cost.key, label=cost.label, comm_s=cost.comm_s(),
+        latency_s=max((s.latency_s for s in cost.streams), default=0.0),
+        bucket_latency_s=blat, n_buckets=nb, busy_s=busy, exposed_s=exposed, step_s=compute_s + exposed,
+        tier_bytes_per_gpu=tb, tier_seconds=ts, tier_share=share,
+        bottleneck=max(SIM_TIERS, key=lambda t: ts[t]) if tot > 0 else "-", background_s=bg,
+    )
+
+
+def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> SimResult:
+    """Price every algorithm of ``opt.algorithms`` (plus the ring and NCCL-style 2-level references)."""
+    t0 = time.perf_counter()
+    opt.validate()
+    world = topo.world_size
+    wl.validate(world)
+    notes: list[str] = []
+    topo = apply_rank_order(topo, opt.rank_order, seed=opt.seed)
+    fab = Fabric.from_topology(topo)
+    groups = dp_groups(world, wl.tp, wl.pp)
+    if opt.last_n_share is not None:
+        last_share = opt.last_n_share
+    elif wl.num_layers:
+        per_stage = wl.num_layers / wl.pp
+        last_share = min(1.0, opt.last_n_layers / per_stage)
+        if wl.pp > 1:
+            notes.append(f"selective: the last pipeline stage holds the last {opt.last_n_layers} layers "
+                         f"({last_share:.0%} of its gradient); it sets the step time, so its share is used")
+    else:
+        last_share = 0.0
+        if "selective" in opt.algorithms:
+            notes.append("selective: layer count unknown (no --num-layers), last-N share taken as 0")
+    spec = SelectiveSpec(
+        top_fraction=opt.top_fraction, last_n_share=last_share, sync_bytes=DTYPE_BYTES[opt.sync_dtype],
+        local_bytes=DTYPE_BYTES[opt.local_dtype], reconcile_bytes=DTYPE_BYTES[opt.reconcile_dtype],
+        reconcile_interval=opt.reconcile_interval, async_reconcile=opt.async_reconcile,
+    )
+    spec.validate()
+    compute_s = wl.compute_seconds(world)
+    backward_s = compute_s * wl.backward_share
+    keys = list(dict.fromkeys(["ring", "hier2", *opt.algorithms]))
+    if "nccl" in keys and "tree" not in keys:
+        keys.insert(keys.index("nccl"), "tree")
+    rows: dict[str, Row] = {}
+    for k in keys:
+        if k == "nccl":
+            continue
+        try:
+            cost = _cost(k, fab, groups, wl, opt, spec)
+        except NotApplicable as exc:
+            if k == "ring":
+                raise
+            notes.append(f"{k}: not applicable: {exc}")
+            continue
+        rows[k] = _row(cost, fab, wl, opt, compute_s, backward_s)
+    if "nccl" in keys and "tree" in rows:
+        # NCCL's tuner picks the algorithm per message size; every bucket has the same size, so the
+        # faster of the two per bucket (here: per step) is what NCCL would run.
+        best = min((rows["ring"], rows["tree"]), key=lambda r: (r.step_s, r.comm_s))
+        rows["nccl"] = replace(best, key="nccl", label=f"{ALGORITHMS['nccl']}: {best.key}")
+    if "ring" not in rows:
+        raise SimError("the flat ring could not be priced")
+    ring = rows["ring"]
+    h2 = rows.get("hier2")
+    for r in rows.values():
+        r.speedup_vs_ring = ring.step_s / r.step_s if r.step_s > 0 else math.nan
+        r.speedup_vs_hier2 = h2.step_s / r.step_s if (h2 and r.step_s > 0) else math.nan
+        r.comm_speedup_vs_ring = ring.comm_s / r.comm_s if r.comm_s > 0 else math.nan
+    out_rows = [rows[k] for k in keys if k in rows and (k in opt.algorithms or k in ("ring", "hier2"))]
+    out_rows.sort(key=lambda r: list(ALGORITHMS).index(r.key))
+    summ = topo.summary()
+    summ.pop("tiers_present", None)
+    wl_info = {
+        "params": wl.params, "grad_dtype": wl.grad_dtype, "tp": wl.tp, "pp": wl.pp, "dp": wl.dp(world),
+        "grad_elements_per_gpu": wl.grad_elements, "grad_bytes_per_gpu": wl.grad_bytes,
+        "num_layers": wl.num_layers, "source": wl.source, "selective_sync_fraction": spec.sync_fraction,
+    }
+    opts = dict(opt.__dict__)
+    opts["algorithms"] = list(opt.algorithms)
+    return SimResult(summ, wl_info, opts, compute_s, backward_s, out_rows, notes, time.perf_counter() - t0)
