@@ -62,8 +62,8 @@ def test_shipped_topologies(name, group_by, hier, intra, inter):
 def test_virtual_layouts_match_the_emulator_contract():
     v = load_topology_file(CONFIGS / "virtual-2x2.json")
     assert list(v.hosts) == ["node0", "node1"] and v.world_size == 4
-    assert (v.tiers["island"].bandwidth_gbps, v.tiers["island"].latency_us) == (0.5, 50.0)
-    assert (v.tiers["leaf"].bandwidth_gbps, v.tiers["leaf"].latency_us) == (0.025, 500.0)
+    assert (v.tiers["island"].bandwidth_gbps, v.tiers["island"].latency_us) == (0.25, 50.0)
+    assert (v.tiers["leaf"].bandwidth_gbps, v.tiers["leaf"].latency_us) == (0.0125, 500.0)
     two = load_topology_file(CONFIGS / "virtual-2leaf.json")
     assert {k: len(r) for k, r in two.leaves.items()} == {"leaf0": 2, "leaf1": 2}
     assert two.tiers["spine"].oversubscription == 2.0
