@@ -1,0 +1,202 @@
+"""Megatron adapter pieces that need no ranks: flags, classes, launcher usage, CPU-compat guard."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from topo_integrations.config import TopoAlignConfig
+from topo_integrations.megatron.flags import FLAG_FIELDS, add_topo_align_args, config_from_args
+
+ALL_FLAGS = [
+    "--topo-align",
+    "--topo-align-config", "CFG",
+    "--topo-align-mode", "hierarchical",
+    "--topo-align-topology", "topo.json",
+    "--topo-align-sync-last-n-layers", "3",
+    "--topo-align-top-fraction", "0.25",
+    "--topo-align-reconcile-interval", "8",
+    "--no-topo-align-async-reconcile",
+    "--topo-align-inter-dtype", "bf16",
+    "--topo-align-local-dtype", "fp32",
+    "--topo-align-importance", "magnitude",
+]
+
+
+def _parser():
+    # Megatron-LM builds its parser with allow_abbrev=False; so do we.
+    return add_topo_align_args(argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False))
+
+
+@pytest.fixture
+def cfg_file(tmp_path):
+    path = tmp_path / "block.json"
+    path.write_text(json.dumps({"mode": "selective", "sync": {"top_fraction": 0.5, "last_n_layers": 7},
+                                "local": {"reconcile_interval": 2, "async_reconcile": True}}))
+    return str(path)
+
+
+@pytest.mark.timeout(30)
+def test_every_flag_maps_to_its_field(cfg_file):
+    argv = [cfg_file if a == "CFG" else a for a in ALL_FLAGS]
+    cfg = _parser().parse_args(argv).topo_align_resolved
+    assert isinstance(cfg, TopoAlignConfig) and cfg.enabled
+    assert cfg.mode == "hierarchical"
+    assert (cfg.topology.source, cfg.topology.file) == ("file", "topo.json")
+    assert cfg.sync.last_n_layers == 3 and cfg.sync.top_fraction == 0.25
+    assert cfg.local.reconcile_interval == 8 and cfg.local.async_reconcile is False
+    assert cfg.communication.inter_dtype == "bf16" and cfg.local.dtype == "fp32"
+    assert cfg.importance.method == "magnitude"
+    # every flag of DESIGN.md 5.3 exists
+    dests = {a.dest for a in _parser()._actions}
+    assert {"topo_align", "topo_align_config", "topo_align_topology", *FLAG_FIELDS} <= dests
+
+
+@pytest.mark.timeout(30)
+def test_flags_override_the_file_and_the_file_overrides_defaults(cfg_file):
+    cfg = _parser().parse_args(["--topo-align", "--topo-align-config", cfg_file,
+                                "--topo-align-top-fraction", "0.1"]).topo_align_resolved
+    assert cfg.mode == "selective"                   # from the file
+    assert cfg.sync.last_n_layers == 7               # from the file
+    assert cfg.sync.top_fraction == 0.1              # flag beats file
+    assert cfg.local.reconcile_interval == 2
+    assert cfg.importance.method == "fisher"         # schema default
+
+
+@pytest.mark.timeout(30)
+def test_without_topo_align_the_run_is_stock():
+    args = _parser().parse_args([])
+    assert args.topo_align is False and args.topo_align_resolved is None
+    assert config_from_args(args) is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv, message", [
+    (["--topo-align", "--topo-align-mode", "ring"],
+     "argument --topo-align-mode: got 'ring'; expected one of flat, hierarchical, selective"),
+    (["--topo-align", "--topo-align-top-fraction", "1.5"],
+     "argument --topo-align-top-fraction: got '1.5'; expected a number in [0, 1]"),
+    (["--topo-align", "--topo-align-top-fraction", "nan"],
+     "argument --topo-align-top-fraction: got 'nan'; expected a number in [0, 1]"),
+    (["--topo-align", "--topo-align-reconcile-interval", "0"],
+     "argument --topo-align-reconcile-interval: got 0; expected an integer in [1, 1000000]"),
+    (["--topo-align", "--topo-align-sync-last-n-layers", "two"],
+     "argument --topo-align-sync-last-n-layers: got 'two'; expected an integer in [0, 100000]"),
+    (["--topo-align", "--topo-align-inter-dtype", "fp8"],
+     "argument --topo-align-inter-dtype: got 'fp8'; expected one of fp32, bf16, fp16"),
+    (["--topo-align", "--topo-align-local-dtype", "int8"],
+     "argument --topo-align-local-dtype: got 'int8'; expected one of fp32, bf16, fp16"),
+    (["--topo-align", "--topo-align-importance", "random"],
+     "argument --topo-align-importance: got 'random'; expected one of fisher, hutchinson, magnitude"),
+    (["--topo-align-mode", "selective"],
+     "--topo-align-mode given without --topo-align; add --topo-align to turn the plugin on"),
+    (["--topo-align", "--topo-align-config", "/nonexistent/block.json"],
+     "--topo-align-config: /nonexistent/block.json: cannot read topo-align config"),
+])
+def test_bad_values_are_rejected_with_one_clear_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("pretrain_gpt.py: error: ")
+    assert message in last
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(30)
+def test_invalid_file_content_names_field_and_value(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"mode": "selective", "local": {"reconcile_interval": "4"}}))
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--topo-align", "--topo-align-config", str(bad)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "local.reconcile_interval" in last and "'4'" in last
+
+
+@pytest.mark.timeout(30)
+def test_parse_known_args_resolves_too():
+    args, rest = _parser().parse_known_args(["--topo-align", "--unknown-megatron-flag"])
+    assert rest == ["--unknown-megatron-flag"]
+    assert args.topo_align_resolved.mode == "selective"
+
+
+@pytest.mark.timeout(30)
+def test_adding_flags_twice_is_harmless():
+    p = _parser()
+    assert add_topo_align_args(p) is p
+    assert p.parse_args(["--topo-align"]).topo_align_resolved is not None
+
+
+@pytest.mark.timeout(30)
+def test_classify_last_layers_patterns_forced_and_importance():
+    from topo_integrations.config import SyncConfig
+    from topo_integrations.megatron.classes import classify
+
+    named = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.mlp.weight", 400),
+             ("decoder.layers.0.attn.weight", 300), ("decoder.layers.1.mlp.weight", 400),
+             ("decoder.final_layernorm.weight", 10), ("output_layer.weight", 1000)]
+    layer_of = {n: (int(n.split(".")[2]) if n.startswith("decoder.layers.") else None) for n, _ in named}
+    sync = SyncConfig(last_n_layers=1, top_fraction=0.1)
+    got = classify(named, layer_of, 2, sync)
+    assert got == {"embedding.word_embeddings.weight": False, "decoder.layers.0.mlp.weight": False,
+                   "decoder.layers.0.attn.weight": False, "decoder.layers.1.mlp.weight": True,
+                   "decoder.final_layernorm.weight": False, "output_layer.weight": True}
+    forced = classify(named, layer_of, 2, sync, forced_sync={"embedding.word_embeddings.weight"})
+    assert forced["embedding.word_embeddings.weight"]
+    # importance adds the top tensors within 10% of 3110 elements = 311: attn (300) fits, mlp (400) does not
+    scores = {"decoder.layers.0.attn.weight": 5.0, "decoder.layers.0.mlp.weight": 9.0}
+    ranked = classify(named, layer_of, 2, sync, scores=scores)
+    assert ranked["decoder.layers.0.attn.weight"] and not ranked["decoder.layers.0.mlp.weight"]
+    assert all(classify(named, layer_of, 2, SyncConfig(top_fraction=1.0)).values())
+
+
+@pytest.mark.timeout(60)
+def test_launcher_usage_errors_are_one_line():
+    no_args = subprocess.run([sys.executable, "-m", "topo_integrations.megatron"], capture_output=True, text=True)
+    assert no_args.returncode == 2 and no_args.stderr.strip().startswith("usage: python -m topo_integrations.megatron")
+    missing = subprocess.run([sys.executable, "-m", "topo_integrations.megatron", "/nonexistent/pretrain_gpt.py"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == ("topo-align: /nonexistent/pretrain_gpt.py: no such file "
+                                      "(expected a Megatron-LM entry script such as pretrain_gpt.py)")
+
+
+@pytest.mark.timeout(120)
+def test_cpu_compat_never_activates_when_cuda_is_available():
+    code = (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "orig = torch.cuda.current_device\n"
+        "from topo_integrations.megatron import cpu_compat\n"
+        "assert cpu_compat.apply() is False and not cpu_compat.is_active()\n"
+        "assert torch.cuda.current_device is orig\n"
+        "from torch.overrides import _get_current_function_mode_stack as s\n"
+        "assert not s()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["hierarchical-distopt.args", "selective.args"])
+def test_shipped_megatron_configs_parse(name):
+    import os
+    import shlex
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "configs", "megatron", name)) as fh:
+        argv = shlex.split(fh.read().replace("NUM_NODES", "2"))
+    argv = [os.path.join(root, a) if a.endswith(".json") else a for a in argv]
+    p = _parser()
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--num-distributed-optimizer-instances", type=int)
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--clip-grad", type=float)
+    cfg = p.parse_args(argv).topo_align_resolved
+    assert cfg.mode == name.split(".")[0].split("-")[0]

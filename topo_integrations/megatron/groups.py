@@ -1,0 +1,75 @@
+"""Reducer process groups for a Megatron data-parallel group (dense ``dp_cp`` or expert ``expt_dp``).
+
+Megatron has one data-parallel group per (tensor, pipeline, ...) coordinate. The reducer's
+`build_groups` must create the groups of *all* of them on every rank in the same order, so this
+module first learns every data-parallel group of the job, plans the topology of one, checks that
+every other one has the same layout, then builds.
+
+Built groups are cached per (topology settings, data-parallel groups): a model with several
+chunks (virtual pipeline) or a dense and an expert buffer over the same ranks share one set of
+communicators instead of creating new ones per chunk (every `new_group` is a collective over the
+whole job and a communicator costs memory on every GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import torch.distributed as dist
+
+from ..config import TopoAlignConfig
+from ..reducer.groups import ReducerGroups, broadcast_plan, build_groups, discover_plan
+
+__all__ = ["groups_for_dp_group", "LayoutError"]
+
+_CACHE: dict[tuple[str, tuple[tuple[int, ...], ...]], ReducerGroups] = {}
+
+
+class LayoutError(ValueError):
+    """The topology's groups do not fit the data-parallel layout Megatron uses; the message says how to fix it."""
+
+
+def _all_dp_groups(dp_group) -> tuple[tuple[int, ...], ...]:
+    """Every data-parallel group of the job (global ranks in group order), in a fixed order.
+
+    Communication: one `all_gather_object` over the world.
+    """
+    if dp_group is not None:
+        mine = tuple(dist.get_process_group_ranks(dp_group))
+    else:
+        mine = tuple(range(dist.get_world_size()))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return tuple(sorted(set(everyone), key=lambda g: g[0]))
+
+
+def groups_for_dp_group(cfg: TopoAlignConfig, dp_group) -> ReducerGroups:
+    """This rank's `ReducerGroups` over the data-parallel group ``dp_group`` (collective over the world).
+
+    Phases:
+      1. all-gather every rank's data-parallel group (global ranks) over the world;
+      2. each data-parallel group plans its topology (`discover_plan`: hostnames gathered inside
+         the group, or the topology file), then the plan of the group holding global rank 0 is
+         broadcast to the world and every group checks its own plan has the same groups;
+      3. `build_groups` creates the intra/inter groups of every data-parallel group.
+    """
+    all_dp = _all_dp_groups(dp_group)
+    key = (json.dumps({"t": cfg.topology.model_dump(), "timeout": cfg.fallback.timeout_s}, sort_keys=True), all_dp)
+    if key in _CACHE:
+        return _CACHE[key]
+    me = dist.get_rank()
+    mine = next(g for g in all_dp if me in g)
+    whole_world = len(all_dp) == 1
+    plan = discover_plan(cfg, dp_ranks=list(mine), dp_group=None if whole_world else dp_group)
+    if not whole_world:
+        ref = broadcast_plan(plan if me == 0 else None, None, src=0)
+        if (ref.intra_groups, ref.inter_groups) != (plan.intra_groups, plan.inter_groups):
+            raise LayoutError(
+                f"topo_align: the data-parallel group of global rank 0 plans intra groups {list(ref.intra_groups)} "
+                f"(positions) but the one holding global ranks {list(mine)} plans {list(plan.intra_groups)}; "
+                "every data-parallel group must have the same node layout: place tensor/pipeline-parallel ranks "
+                "inside nodes the same way on every node"
+            )
+        plan = ref
+    groups = build_groups(plan, dp_ranks_all=[list(g) for g in all_dp], timeout_s=cfg.fallback.timeout_s)
+    _CACHE[key] = groups
+    return groups
