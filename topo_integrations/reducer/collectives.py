@@ -1,0 +1,266 @@
+"""Collectives on flat 1-D tensors over explicit groups (a `ReducerGroups`).
+
+Every function reduces IN PLACE and returns the tensor (or a handle with ``wait()`` when
+``async_op``). ``average=True`` divides by the number of contributors (mean), as DDP, DeepSpeed and
+Megatron do. Failures (a peer died, the group's timeout expired) become :class:`CollectiveError`
+naming the operation, the group and its global ranks.
+
+``record(tier, nbytes, seconds)``, when given, is called once per collective with the tier
+(``"dp"``, ``"intra"``, ``"inter"``), the payload bytes this rank hands to the collective (the
+tensor it reduces or gathers; see docs/reducer.md for the conversion to ring wire bytes) and the
+wall time of the call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .compression import choose_scale, is_lossy, needs_scale, quantize, uses_grid
+from .compression import wire_dtype as _as_dtype
+from .groups import ReducerGroups
+
+__all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
+           "reconcile_average", "agree_scalar", "padded_numel"]
+
+Record = Callable[[str, int, float], None] | None
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the reducer failed or timed out; the message names op, group and ranks."""
+
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def padded_numel(n: int, k: int) -> int:
+    """Smallest multiple of ``k`` that is >= ``n``."""
+    return -(-n // k) * k if k > 1 else n
+
+
+def _run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: Record, fn):
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        waited = time.perf_counter() - t0
+        timeout = f", timeout {groups.timeout_s:g}s" if groups.timeout_s else ""
+        raise CollectiveError(
+            f"topo_align: {op} on the {groups.describe(group)} failed after {waited:.1f}s{timeout} "
+            f"(this is global rank {groups.dp_ranks[groups.position]}): {type(exc).__name__}: {exc}"
+        ) from exc
+    if record is not None:
+        record(tier, nbytes, time.perf_counter() - t0)
+    return out
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+class _Pending:
+    """Handle of an asynchronous flat all-reduce; ``wait()`` finishes it (and divides)."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish, self._done = work, finish, False
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self):
+        if not self._done:
+            self._work.wait()
+            self._done = True
+            return self._finish()
+        return None
+
+
+def flat_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, average: bool = True, async_op: bool = False,
+                    record: Record = None):
+    """One all-reduce over the whole data-parallel group (the fallback; what the frameworks do).
+
+    Phases: 1. all-reduce SUM over ``groups.dp_group``; 2. divide by the group size when averaging.
+    """
+    _check(t, "flat_all_reduce")
+    n = groups.dp_size
+
+    def finish():
+        if average and n > 1:
+            t.div_(n)
+        return t
+
+    if async_op:
+        work = _run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
+                    lambda: dist.all_reduce(t, group=groups.dp_group, async_op=True))
+        return _Pending(work, finish)
+    if n > 1:
+        _run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
+             lambda: dist.all_reduce(t, group=groups.dp_group))
+    return finish()
+
+
+def _lossy_all_reduce(v: torch.Tensor, wire: torch.dtype, residual, group, tier: str, groups, record,
+                      n_contrib: int) -> torch.Tensor:
+    """SUM over ``group`` of ``v`` sent as ``wire`` (FP16 grid or cast; error feedback into residual).
+
+    Phases: 1. (FP16 only) MAX all-reduce of amax(v) -> common power-of-two scale;
+            2. all-reduce SUM of the quantised values in the wire dtype.
+    Returns the sum in v's dtype. See compression.py for why the FP16 sums are exact.
+    """
+    scale = None
+    if needs_scale(wire):
+        amax = v.abs().max().reshape(1).float() if v.numel() else torch.zeros(1, device=v.device)
+        _run("all_reduce(MAX amax)", tier, group, groups, 4, record,
+             lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group))
+        scale = choose_scale(amax, wire, n_contrib)
+    q = quantize(v, wire, scale, residual, grid=uses_grid(wire, n_contrib))
+    _run("all_reduce", tier, group, groups, q.numel() * q.element_size(), record,
+         lambda: dist.all_reduce(q, group=group))
+    out = q.to(v.dtype)
+    return out / scale if scale is not None else out
+
+
+def _hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
+    """All-reduce SUM of ``x`` over ``group`` with wire dtype ``wire``; writes and returns ``x``."""
+    if n_contrib <= 1:
+        return x
+    if wire == x.dtype:
+        _run("all_reduce", tier, group, groups, x.numel() * x.element_size(), record,
+             lambda: dist.all_reduce(x, group=group))
+        return x
+    if not is_lossy(x.dtype, wire):  # widening (bf16 -> fp32): exact cast, no feedback needed
+        w = x.to(wire)
+        _run("all_reduce", tier, group, groups, w.numel() * w.element_size(), record,
+             lambda: dist.all_reduce(w, group=group))
+        x.copy_(w)
+        return x
+    v = x.float()
+    if residual is not None:
+        v = v + residual
+    x.copy_(_lossy_all_reduce(v, wire, residual, group, tier, groups, record, n_contrib))
+    return x
+
+
+def _check(t: torch.Tensor, what: str) -> None:
+    # A non-contiguous tensor would be reduced in a temporary copy and the result lost.
+    if not t.is_contiguous():
+        raise ValueError(f"topo_align: {what} needs a contiguous tensor (got shape {tuple(t.shape)}, "
+                         f"strides {t.stride()}); pass a flat buffer or .contiguous()")
+
+
+def _padded(t: torch.Tensor, k: int) -> torch.Tensor:
+    flat = t.reshape(-1)
+    n = padded_numel(flat.numel(), k)
+    if n == flat.numel():
+        return flat
+    buf = torch.zeros(n, dtype=t.dtype, device=t.device)
+    buf[: flat.numel()].copy_(flat)
+    return buf
+
+
+def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dtype: torch.dtype = torch.float32,
+                            residual: torch.Tensor | None = None, average: bool = True,
+                            low_priority: bool = False, record: Record = None) -> torch.Tensor:
+    """All-reduce over the data-parallel group that crosses the slow tier with 1/L of the bytes.
+
+    Phases:
+      1. reduce-scatter SUM inside the intra group (``t`` padded to a multiple of L = intra size);
+      2. all-reduce SUM of my shard over the inter group (the rail) in ``inter_dtype``; when that
+         is lossy, FP16-safe scaling and error feedback into ``residual`` (shape = the shard,
+         ``ceil(numel / L)`` elements, fp32);
+      3. divide the shard by L*K when averaging; all-gather the shards inside the intra group.
+    Works for any float dtype; ``t`` must be contiguous.
+    """
+    _check(t, "hierarchical_all_reduce")
+    inter_dtype = _as_dtype(inter_dtype)
+    L, K = groups.intra_size, groups.inter_size
+    intra = groups.intra_low if low_priority else groups.intra
+    inter = groups.inter_low if low_priority else groups.inter
+    buf = _padded(t, L)
+    if L > 1:
+        shard = torch.empty(buf.numel() // L, dtype=buf.dtype, device=buf.device)
+        _run("reduce_scatter", "intra", intra, groups, buf.numel() * buf.element_size(), record,
+             lambda: dist.reduce_scatter_tensor(shard, buf, group=intra))
+    else:
+        shard = buf
+    if residual is not None and residual.numel() != shard.numel():
+        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the shard has {shard.numel()}")
+    _hop(shard, inter_dtype, residual, inter, "inter", groups, record, K)
+    if average and L * K > 1:
+        shard.div_(L * K)
+    if L > 1:
+        _run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
+             lambda: _all_gather(buf, shard, group=intra))
+    if buf.data_ptr() != t.data_ptr():
+        t.reshape(-1).copy_(buf[: t.numel()])
+    return t
+
+
+def intra_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, wire_dtype: torch.dtype = torch.float32,
+                     residual: torch.Tensor | None = None, average: bool = True, low_priority: bool = True,
+                     record: Record = None) -> torch.Tensor:
+    """All-reduce inside my intra group only (the LOCAL class).
+
+    Phases: 1. (FP16 wire) MAX all-reduce of amax for a common scale; 2. all-reduce SUM in
+    ``wire_dtype`` (error feedback into ``residual``, same shape as ``t``, when lossy);
+    3. divide by L when averaging.
+    """
+    _check(t, "intra_all_reduce")
+    wire = _as_dtype(wire_dtype)
+    L = groups.intra_size
+    group = groups.intra_low if low_priority else groups.intra
+    flat = t.reshape(-1)
+    _hop(flat, wire, residual.reshape(-1) if residual is not None else None, group, "intra", groups, record, L)
+    if average and L > 1:
+        flat.div_(L)
+    return t
+
+
+def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: bool = True,
+                      record: Record = None) -> torch.Tensor:
+    """Average across groups a tensor that is identical inside each group.
+
+    Phases: 1. each rank takes its 1/L slice (``t`` padded to a multiple of L);
+            2. all-reduce SUM of the slice over the inter group, divide by K;
+            3. all-gather the slices inside the intra group.
+    The slow tier carries 1/L of ``t`` per rank.
+    """
+    _check(t, "reconcile_average")
+    L, K = groups.intra_size, groups.inter_size
+    if K <= 1:
+        return t
+    intra = groups.intra_low if low_priority else groups.intra
+    inter = groups.inter_low if low_priority else groups.inter
+    buf = _padded(t, L)
+    m = buf.numel() // L
+    chunk = buf[groups.intra_rank * m:(groups.intra_rank + 1) * m].clone()
+    _run("all_reduce", "inter", inter, groups, chunk.numel() * chunk.element_size(), record,
+         lambda: dist.all_reduce(chunk, group=inter))
+    chunk.div_(K)
+    if L > 1:
+        _run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
+             lambda: _all_gather(buf, chunk, group=intra))
+    else:
+        buf.copy_(chunk)
+    if buf.data_ptr() != t.data_ptr():
+        t.reshape(-1).copy_(buf[: t.numel()])
+    return t
+
+
+def agree_scalar(x: torch.Tensor, groups: ReducerGroups, op: str = "sum", *, record: Record = None) -> torch.Tensor:
+    """SUM or MAX of ``x`` over the whole data-parallel group; every rank gets the same value.
+
+    Phases: one all-reduce over ``groups.dp_group`` of a copy of ``x`` (``x`` is not modified).
+    """
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"agree_scalar: op = {op!r}; expected 'sum' or 'max'")
+    y = x.detach().clone()
+    if groups.dp_size > 1:
+        _run(f"all_reduce({op.upper()})", "dp", groups.dp_group, groups, y.numel() * y.element_size(), record,
+             lambda: dist.all_reduce(y, op=ops[op], group=groups.dp_group))
+    return y

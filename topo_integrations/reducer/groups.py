@@ -1,0 +1,316 @@
+"""Process groups for the reducer, built identically on every rank from a broadcast `Plan`.
+
+`torch.distributed.new_group` is a collective over the *default* group: every rank of the job must
+call it for every group, in the same order, even for groups it is not a member of. So
+:func:`build_groups` walks every data-parallel group of the job (with tensor/pipeline parallelism
+there are several), and for each one creates the same kinds of groups in a fixed order; each rank
+keeps the handles of the groups that contain it.
+
+The plan indexes *positions* 0..dp_size-1 inside one data-parallel group; `dp_ranks` maps a
+position to its global rank. Every data-parallel group uses the same layout.
+
+Each class of traffic gets its own communicators (``intra``/``inter`` for SYNC, ``intra_low``/
+``inter_low`` for LOCAL and reconciliation): the two classes then progress concurrently and a
+collective of one class never queues behind the other (DESIGN.md 4, dual-priority pipeline).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import TopoAlignConfig
+from ..topology import Plan, PlanError, Topology, TopologyError, plan_groups
+from ..topology.model import DEFAULT_TIERS, RankPlace
+
+__all__ = ["ReducerGroups", "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
+           "HOSTNAME_ENV"]
+
+log = logging.getLogger("topo_align")
+
+HOSTNAME_ENV = "TOPO_ALIGN_HOSTNAME"
+"""Overrides `socket.gethostname()` for the gathered-hostnames source (tests fake several nodes)."""
+
+
+@dataclass
+class ReducerGroups:
+    """This rank's view of the reducer's process groups (see module docstring)."""
+
+    plan: Plan
+    dp_ranks: tuple[int, ...]
+    """Global rank of each data-parallel position (the plan indexes positions)."""
+    dp_group: Any
+    """The whole data-parallel group (None = the default world group)."""
+    position: int
+    """My index in `dp_ranks`."""
+    intra: Any
+    """My intra group (island); the DP group when the plan has one tier."""
+    inter: Any
+    """My rail; None when the plan has one tier (inter_size is then 1 and no collective uses it)."""
+    intra_low: Any
+    inter_low: Any
+    leaf_rail: Any = None
+    spine_rail: Any = None
+    intra_size: int = 1
+    inter_size: int = 1
+    group_index: int = 0
+    """Which intra group this rank is in (the replica id in `selective`)."""
+    intra_rank: int = 0
+    """My rank inside my intra group (= the shard a reduce-scatter hands me)."""
+    inter_rank: int = 0
+    """My rank inside my inter group (rail)."""
+    intra_ranks: tuple[int, ...] = ()
+    """Global ranks of my intra group, ascending (the group's rank order)."""
+    inter_ranks: tuple[int, ...] = ()
+    """Global ranks of my rail, ascending: the i-th smallest rank of every island, i = intra_rank."""
+    timeout_s: float | None = None
+    names: dict = field(default_factory=dict)
+    """id(group) -> human-readable description, for error messages."""
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.plan.hierarchical
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.dp_ranks)
+
+    def describe(self, group: Any) -> str:
+        """'intra group (global ranks 0, 1)' for a group handle of this object."""
+        if group is None:
+            return f"data-parallel group (global ranks {_short(self.dp_ranks)})"
+        return self.names.get(id(group), "process group")
+
+
+def _short(ranks) -> str:
+    ranks = list(ranks)
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    return ", ".join(map(str, ranks[:4])) + f", ... ({len(ranks)} ranks)"
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta | None):
+    # Singleton groups still go through new_group: every rank must make the same calls.
+    kw = {"timeout": timeout} if timeout is not None else {}
+    return dist.new_group(ranks=sorted(ranks), **kw)
+
+
+def build_groups(plan: Plan, *, dp_ranks_all: list[list[int]] | None = None,
+                 timeout_s: float | None = None) -> ReducerGroups:
+    """Create the reducer's groups on every rank (collective over the default group).
+
+    Phases (every rank runs all of them, in this order):
+      1. one data-parallel group per entry of `dp_ranks_all` (skipped when it is the whole world);
+      2. for each kind in (intra, intra_low, inter, inter_low, leaf_rail, spine_rail) and each
+         data-parallel group, one `new_group` per group of the plan, mapped to global ranks.
+    Returns this rank's view. `timeout_s` bounds every collective on these groups.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("topo_align: build_groups needs torch.distributed to be initialised "
+                           "(call torch.distributed.init_process_group first)")
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    if dp_ranks_all is None:
+        dp_ranks_all = [list(range(world))]
+    dp_ranks_all = [list(map(int, g)) for g in dp_ranks_all]
+    sizes = {len(g) for g in dp_ranks_all}
+    if len(sizes) != 1:
+        raise ValueError(f"topo_align: data-parallel groups have different sizes {sorted(sizes)}; "
+                         "every data-parallel group must have the same size")
+    dp_size = sizes.pop()
+    if dp_size != plan.world_size:
+        raise ValueError(f"topo_align: the plan covers {plan.world_size} ranks but the data-parallel group "
+                         f"has {dp_size}; plan the topology of one data-parallel group")
+    flat = [r for g in dp_ranks_all for r in g]
+    if len(set(flat)) != len(flat) or any(not 0 <= r < world for r in flat):
+        raise ValueError(f"topo_align: dp_ranks_all = {dp_ranks_all!r} must list distinct global ranks "
+                         f"in [0, {world})")
+    mine = [g for g in dp_ranks_all if me in g]
+    if not mine:
+        raise ValueError(f"topo_align: global rank {me} is in no data-parallel group of {dp_ranks_all!r}")
+    my_dp = mine[0]
+    position = my_dp.index(me)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    names: dict[int, str] = {}
+
+    # Phase 1: data-parallel groups.
+    dp_group = None
+    if not (len(dp_ranks_all) == 1 and sorted(my_dp) == list(range(world)) and timeout is None):
+        for g in dp_ranks_all:
+            pg = _new_group(g, timeout)
+            if me in g:
+                dp_group = pg
+                names[id(pg)] = f"data-parallel group (global ranks {_short(g)})"
+
+    # Phase 2: the plan's groups, per kind, per data-parallel group. A reduce-scatter hands chunk i
+    # to the member with the i-th smallest global rank, so the rails are built from the intra groups
+    # in global-rank order: rail i = the i-th smallest rank of every island. Then the members of a
+    # rail always hold the same shard, whatever the position -> global rank mapping.
+    def intra_of(dp):
+        return [sorted(dp[p] for p in g) for g in plan.intra_groups]
+
+    def rails_of(dp):
+        isl = intra_of(dp)
+        return [[g[i] for g in isl] for i in range(len(isl[0]))]
+
+    kinds = [("intra", intra_of), ("intra_low", intra_of), ("inter", rails_of), ("inter_low", rails_of)]
+    if plan.middle_level:
+        kinds += [("leaf_rail", lambda dp: [[dp[p] for p in g] for g in plan.leaf_rails]),
+                  ("spine_rail", lambda dp: [[dp[p] for p in g] for g in plan.spine_rails])]
+    handles: dict[str, Any] = {}
+    members: dict[str, tuple[int, ...]] = {}
+    if not plan.hierarchical:
+        # One tier: the reducer runs `flat` on the DP group. No rails (they would be dp_size
+        # singleton groups, thousands of new_group calls on a large job): intra = the DP group,
+        # inter = None with inter_size 1 (every collective skips a hop over one member).
+        kinds = []
+        handles.update(intra=dp_group, intra_low=dp_group, inter=None, inter_low=None)
+        members.update(intra=tuple(sorted(my_dp)), inter=(me,))
+    for kind, make in kinds:
+        for dp in dp_ranks_all:
+            for ranks in make(dp):
+                pg = _new_group(ranks, timeout)
+                if me in ranks:
+                    handles[kind] = pg
+                    members[kind] = tuple(sorted(ranks))
+                    names[id(pg)] = f"{kind} group (global ranks {_short(sorted(ranks))})"
+
+    return ReducerGroups(
+        plan=plan,
+        dp_ranks=tuple(my_dp),
+        dp_group=dp_group,
+        position=position,
+        intra=handles["intra"],
+        inter=handles["inter"],
+        intra_low=handles["intra_low"],
+        inter_low=handles["inter_low"],
+        leaf_rail=handles.get("leaf_rail"),
+        spine_rail=handles.get("spine_rail"),
+        intra_size=len(members["intra"]),
+        inter_size=len(members["inter"]),
+        group_index=plan.group_index(position),
+        intra_rank=members["intra"].index(me),
+        inter_rank=members["inter"].index(me),
+        intra_ranks=members["intra"],
+        inter_ranks=members["inter"],
+        timeout_s=timeout_s,
+        names=names,
+    )
+
+
+def broadcast_plan(plan: Plan | None, group=None, *, src: int | None = None) -> Plan:
+    """Rank ``src`` (default: the group's first rank) sends its plan; every rank returns it.
+
+    A planning failure on the source rank travels as an error, so the other ranks raise the same
+    :class:`PlanError` instead of waiting forever in the broadcast.
+    Communication: one `broadcast_object_list` over ``group``.
+    """
+    if src is None:
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+    payload: list[Any] = [None]
+    if dist.get_rank() == src:
+        payload[0] = ("ok", plan.dumps()) if isinstance(plan, Plan) else ("error", "PlanError", str(plan))
+    dist.broadcast_object_list(payload, src=src, group=group)
+    return _unwrap(payload[0])
+
+
+def _unwrap(msg) -> Plan:
+    import json
+
+    if msg[0] == "ok":
+        return Plan.from_json(json.loads(msg[1]))
+    kind, text = msg[1], msg[2]
+    if kind == "TopologyError":
+        raise TopologyError(text)
+    if kind == "PlanError":
+        raise PlanError(text)
+    raise ValueError(text)
+
+
+def _hostname() -> str:
+    return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
+
+
+def gather_hostnames_topology(hosts: list[str], *, name: str = "gathered-hostnames") -> Topology:
+    """Topology of ranks whose hostnames are ``hosts`` (index = DP position); islands = hosts.
+
+    Ranks of one host need not be consecutive: the groups are whatever the hostnames say.
+    """
+    places = []
+    seen: dict[str, int] = {}
+    for r, h in enumerate(hosts):
+        lr = seen.get(h, 0)
+        seen[h] = lr + 1
+        places.append(RankPlace(r, h, lr, h, "leaf0"))
+    return Topology(tuple(places), dict(DEFAULT_TIERS), name=name, source="hostnames")
+
+
+def _load_topology(cfg: TopoAlignConfig, hosts: list[str] | None, dp_size: int) -> Topology:
+    kind = cfg.topology.source
+    if kind in ("auto", "hostnames"):
+        return gather_hostnames_topology(hosts or [])
+    if kind == "file":
+        from ..topology import load_topology_file
+
+        topo = load_topology_file(cfg.topology.file)
+    else:
+        try:
+            from ..topology.sources import load_source  # written by the topology-sources engineer
+        except ImportError:
+            raise TopologyError(
+                f"topology.source = {kind!r}: this build has no loader for it "
+                "(topo_integrations.topology.sources is missing); use 'file', 'auto' or 'hostnames'"
+            ) from None
+        topo = load_source(kind, cfg.topology.file)
+    if topo.world_size != dp_size:
+        raise TopologyError(
+            f"{topo.source}: the topology has {topo.world_size} ranks but the data-parallel group has "
+            f"{dp_size}; describe exactly the ranks of one data-parallel group"
+        )
+    return topo
+
+
+def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp_group=None) -> Plan:
+    """Topology per ``cfg.topology``, planned on the first DP rank and broadcast to the group.
+
+    Phases:
+      1. (`auto`/`hostnames` only) `all_gather_object` of each rank's hostname over the DP group
+         (``$TOPO_ALIGN_HOSTNAME`` overrides it);
+      2. the first DP rank loads the topology (file / source) and plans it; any error is caught;
+      3. `broadcast_object_list` of the plan (or the error) over the DP group; every rank returns
+         the same plan or raises the same error.
+    ``dp_group`` must be given when ``dp_ranks`` is not the whole world.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("topo_align: discover_plan needs torch.distributed to be initialised")
+    world = dist.get_world_size()
+    dp_ranks = list(dp_ranks) if dp_ranks is not None else list(range(world))
+    if dp_group is None and dp_ranks != list(range(world)):
+        raise ValueError(f"topo_align: dp_ranks = {dp_ranks!r} is not the whole world; pass dp_group too")
+    hosts = None
+    if cfg.topology.source in ("auto", "hostnames"):
+        gathered = [None] * len(dp_ranks)
+        dist.all_gather_object(gathered, _hostname(), group=dp_group)
+        # all_gather orders by group rank (ascending global rank); the plan indexes DP positions
+        by_rank = dict(zip(sorted(dp_ranks), gathered))
+        hosts = [by_rank[r] for r in dp_ranks]
+    src = dp_ranks[0]
+    result: Any = None
+    if dist.get_rank() == src:
+        try:
+            topo = _load_topology(cfg, hosts, len(dp_ranks))
+            result = plan_groups(topo, group_by=cfg.topology.group_by,
+                                 min_tier_ratio=cfg.topology.min_tier_ratio,
+                                 middle_level=cfg.topology.middle_level)
+        except (TopologyError, ValueError) as exc:
+            kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
+            payload = [("error", kind, str(exc))]
+            dist.broadcast_object_list(payload, src=src, group=dp_group)
+            return _unwrap(payload[0])
+    return broadcast_plan(result, dp_group, src=src)
