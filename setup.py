@@ -10,8 +10,12 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        # load_digits (ships inside the package) for the convergence evidence (scripts/convergence.py).
+        "scikit-learn>=1.4",
     ],
     "plot": ["matplotlib>=3.8"],
+    # The pretraining scripts' TensorBoard event files (topo_integrations/train/metrics.py).
+    "train": ["tensorboard>=2.14"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
