@@ -1,0 +1,238 @@
+"""`topo-align bench` (topo_integrations/bench, docs/benchmarks.md).
+
+Pure tests (theoretical bytes, availability, statistics, goal verdicts, the report, argument checks)
+always run. The `emulated` test runs the real thing in --quick mode on a 2 x 2 emulated cluster (two
+systems, a tiny GPT, 6 steps): it checks the measured cross-node bytes against each algorithm's
+theory, that hierarchical trains exactly like flat DDP, and that no namespace is left behind. It
+skips with the reason when namespaces cannot be made. Budget: about 60-90 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from topo_integrations.bench.report import markdown, summarize
+from topo_integrations.bench.systems import SYSTEMS, Layout, System, availability, ring_bytes, theory_bytes
+from topo_integrations.emulate.bench_cli import write_section
+from topo_integrations.emulate.netns import list_namespaces, unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+L2X2 = Layout(("node0", "node0", "node1", "node1"), ("leaf0",) * 4, ((0, 1), (2, 3)))
+L2LEAF = Layout(("node0", "node1", "node2", "node3"), ("leaf0", "leaf0", "leaf1", "leaf1"), ((0, 1), (2, 3)))
+L4X1 = Layout(("node0", "node1", "node2", "node3"), ("leaf0",) * 4, None)
+P = 1_000_000
+S = 4.0 * P
+
+
+# ------------------------------------------------------------------------------ theory (pure)
+
+@pytest.mark.timeout(10)
+def test_flat_ring_2x2_crosses_two_edges():
+    # 4-rank ring 0-1-2-3-0: edges 1->2 and 3->0 cross nodes, each carries 2*3/4*S.
+    assert theory_bytes("ds-zero0", L2X2, P, {"steps": 10})["node"] == pytest.approx(3 * S)
+    assert theory_bytes("ddp-fp16", L2X2, P, {"steps": 10})["node"] == pytest.approx(1.5 * S)
+
+
+@pytest.mark.timeout(10)
+def test_hierarchical_2x2_is_2_n_minus_1_times_s():
+    assert theory_bytes("topo-hier", L2X2, P, {"steps": 10})["node"] == pytest.approx(2 * S)
+    # Megatron's DistOpt with instances = nodes is the same pattern.
+    assert theory_bytes("megatron-distopt", L2X2, P, {"steps": 10})["node"] == pytest.approx(2 * S)
+    # On a flat cluster there is no hierarchy: the ring's 2*4*3/4*S.
+    assert theory_bytes("topo-hier", L4X1, P, {"steps": 10})["node"] == pytest.approx(6 * S)
+
+
+@pytest.mark.timeout(10)
+def test_two_leaves_hierarchical_cuts_spine_bytes_by_a_third():
+    ring = theory_bytes("ddp", L2LEAF, P, {"steps": 1})
+    hier = theory_bytes("topo-hier", L2LEAF, P, {"steps": 1})
+    assert ring["leaf"] == pytest.approx(2 * 1.5 * S)   # edges 1->2 and 3->0 leave a leaf
+    assert hier["leaf"] == pytest.approx(2 * S)  # two rails of 2: both edges carry 2(2-1)/2 * S/2
+    assert ring_bytes(L2LEAF, (0, 1), S, "scatter") == {"node": S, "leaf": 0.0}
+
+
+@pytest.mark.timeout(10)
+def test_selective_and_post_local_sgd_average_over_the_run():
+    sel = theory_bytes("topo-selective", L2X2, P, {"steps": 8, "sync_fraction": 0.25, "reconcile_interval": 4,
+                                                   "reconciles": 2})
+    # every step: 2*S*0.25; every 4th: LOCAL params + 2 Adam moments, 2*S*3*0.75.
+    assert sel["node"] == pytest.approx(2 * S * 0.25 + 2 * S * 3 * 0.75 * 2 / 8)
+    pl = theory_bytes("post-local-sgd", L2X2, P, {"steps": 10, "localsgd_warmup": 2, "averaging_period": 4,
+                                                  "averages": 2})
+    # 2 warm-up steps of a world all-reduce (3S), then in-node only, plus 2 world averages (3S).
+    assert pl["node"] == pytest.approx((2 * 3 * S + 2 * 3 * S) / 10)
+
+
+@pytest.mark.timeout(10)
+def test_availability_names_the_missing_piece():
+    def importer(name):
+        if name == "nope":
+            raise ImportError("No module named 'nope'")
+        return type("M", (), {"present": 1})
+
+    assert availability(System("x", "x", "t", ("ok:present",)), importer) is None
+    assert availability(System("x", "x", "t", ("nope",)), importer) == \
+        "nope does not import (ImportError: No module named 'nope')"
+    assert availability(System("x", "x", "t", ("ok:initialize",)), importer) == \
+        "ok has no initialize (adapter not built yet)"
+
+
+# ------------------------------------------------------------------------------ report (pure)
+
+def _fake(key, times, losses, measured=None, theory=None):
+    ends, t = [], 0.0
+    for x in times:
+        t += x
+        ends.append(t)
+    e = {"key": key, "label": SYSTEMS[key].label, "status": "ok",
+         "result": {"params": P, "step_times_s": times, "step_end_s": ends, "losses": losses, "val_loss": losses[-1]}}
+    if measured is not None:
+        e["measured"] = {"cross_node_bytes_per_step": measured, "cross_leaf_bytes_per_step": 0, "cross_leaf_bytes": 0,
+                         "intra_node_bytes_per_step": 0}
+        e["theory"] = {"cross_node_bytes_per_step": theory, "cross_leaf_bytes_per_step": 0}
+    return e
+
+
+def _results(systems):
+    return {"systems": systems, "spec": {"layers": 1, "hidden": 8, "heads": 1, "seq_length": 4, "micro_batch": 1,
+                                         "steps": 4, "lr": 1e-3, "warmup_steps": 1, "min_lr_ratio": 0.1, "clip": 1.0,
+                                         "seed": 1, "sync_last_n_layers": 1, "reconcile_interval": 2,
+                                         "localsgd_warmup": None},
+            "machine": {}, "preset": "2x2", "preset_description": "d", "topology_file": "t.json", "group_by": "island",
+            "topology": "t"}
+
+
+@pytest.mark.timeout(10)
+def test_summary_target_and_goals():
+    losses = [5.0, 4.0, 3.0, 3.0]
+    res = _results([
+        _fake("ds-zero0", [9.0, 1.0, 1.0, 1.0], losses),
+        _fake("topo-selective", [9.0, 0.4, 0.5, 0.4], [5.0, 4.0, 3.0, 3.02]),
+        _fake("post-local-sgd", [9.0, 0.5, 0.5, 0.5], [5.0, 4.5, 3.8, 3.6]),
+        _fake("topo-hier", [9.0, 0.9, 0.9, 0.9], losses, measured=2.3e6, theory=2.0e6),
+        {"key": "megatron-ddp", "label": SYSTEMS["megatron-ddp"].label, "status": "not run", "reason": "no adapter"},
+    ])
+    summarize(res)
+    assert res["reference"] == "ds-zero0"
+    assert res["target_loss"] == pytest.approx(1.02 * 3.0)  # window max(2, 4//10) = 2: mean(3, 3)
+    sel = next(e for e in res["systems"] if e["key"] == "topo-selective")["summary"]
+    assert sel["step_median_s"] == pytest.approx(0.4)  # first step left out
+    assert sel["speedup_vs_ref"] == pytest.approx(2.5)
+    assert sel["steps_to_target"] == 4 and sel["time_to_target_s"] == pytest.approx(10.3)
+
+    def goal(prefix):
+        return next(g for g in res["goals"] if g["goal"].startswith(prefix))
+
+    assert goal("topo-selective: >= 2x")["met"] is True
+    assert goal("topo-selective: shorter")["met"] is True  # post-local SGD never reaches 3.06
+    assert goal("topo-hier: measured")["met"] is False  # +15%
+    assert goal("ds-topo-selective: >= 2x")["met"] is None
+    md = markdown(res)
+    assert "| Megatron-core DDP (stock) | not run (no adapter) |" in md
+
+
+@pytest.mark.timeout(10)
+def test_write_section_replaces_only_its_preset(tmp_path):
+    f = tmp_path / "b.md"
+    f.write_text("# Benchmarks\n\nprose\n")
+    write_section(str(f), "2x2", "first")
+    write_section(str(f), "4x1", "other")
+    write_section(str(f), "2x2", "second")
+    text = f.read_text()
+    assert text.count("<!-- bench:2x2:begin -->") == 1 and "second" in text and "first" not in text
+    assert "other" in text and text.startswith("# Benchmarks\n\nprose\n")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,msg", [
+    (["--systems", "ddp,bogus"], "topo-align bench: --systems: unknown bogus; accepted: "),
+    (["--steps", "0"], "topo-align bench: --steps 0: must be at least 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, msg):
+    p = subprocess.run([PY, "-m", "topo_integrations.cli", "bench", *args], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().startswith(msg) and len(p.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ emulated
+
+def _namespaces_unavailable() -> str | None:
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    name = f"ta{os.getpid()}-998-probe"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return None
+
+
+_REASON = _namespaces_unavailable() if sys.platform.startswith("linux") else "network namespaces are Linux-only"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    if _REASON:
+        pytest.skip(f"emulated cluster unavailable: {_REASON}")
+    out = tmp_path_factory.mktemp("bench")
+    md = out / "benchmarks.md"
+    proc = subprocess.Popen([PY, "-m", "topo_integrations.emulate.bench_cli", "--quick", "--systems", "ddp,topo-hier",
+                             "--out-dir", str(out), "--markdown", str(md), "--img-dir", str(out / "img")],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=170)
+    left = [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")]
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
+    return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr, "results": results, "md": md, "out": out,
+            "left": left}
+
+
+@pytest.mark.emulated
+@pytest.mark.timeout(180)
+def test_quick_bench_runs_both_systems(quick_run):
+    assert quick_run["rc"] == 0, quick_run["stderr"][-2000:]
+    assert [e["status"] for e in quick_run["results"]["systems"]] == ["ok", "ok"]
+    assert quick_run["left"] == []
+
+
+@pytest.mark.emulated
+@pytest.mark.timeout(180)
+def test_quick_bench_bytes_match_theory(quick_run):
+    by = {e["key"]: e for e in quick_run["results"]["systems"]}
+    for key in ("ddp", "topo-hier"):
+        m = by[key]["measured"]["cross_node_bytes_per_step"]
+        th = by[key]["theory"]["cross_node_bytes_per_step"]
+        assert th > 0 and abs(m / th - 1) <= 0.10, (key, m, th)
+    # hierarchical moves 2/3 of the flat ring's cross-node bytes on 2 x 2 (2S vs 3S)
+    assert by["topo-hier"]["theory"]["cross_node_bytes_per_step"] == pytest.approx(
+        by["ddp"]["theory"]["cross_node_bytes_per_step"] * 2 / 3)
+    assert by["topo-hier"]["measured"]["intra_node_bytes"] > 0
+
+
+@pytest.mark.emulated
+@pytest.mark.timeout(180)
+def test_quick_bench_hierarchical_trains_like_ddp(quick_run):
+    by = {e["key"]: e for e in quick_run["results"]["systems"]}
+    a, b = by["ddp"]["result"]["losses"], by["topo-hier"]["result"]["losses"]
+    assert len(a) == len(b) == 6
+    assert a == pytest.approx(b, rel=1e-4)
+
+
+@pytest.mark.emulated
+@pytest.mark.timeout(180)
+def test_quick_bench_writes_report(quick_run):
+    text = quick_run["md"].read_text()
+    assert "<!-- bench:2x2-quick:begin -->" in text and "| PyTorch DDP |" in text
+    assert "Command: `topo-align bench --quick --systems ddp,topo-hier" in text
+    for png in ("bench-2x2-quick-loss-vs-time.png", "bench-2x2-quick-bytes-per-tier.png"):
+        assert (quick_run["out"] / "img" / png).stat().st_size > 1000

@@ -1,0 +1,360 @@
+"""Run the systems side by side on one emulated cluster and measure them (docs/benchmarks.md).
+
+Phases:
+  1. data: build the byte-level dataset once (train.data) and cut exactly the samples the run needs
+     into two .npz files, so every system reads identical batches without touching megatron-core;
+  2. availability: a system whose framework or adapter does not import is recorded as
+     ``not run (reason)``;
+  3. one ``EmulatedCluster`` for the whole invocation; per system, one at a time: start one worker
+     per rank (emulate.runner.launch, per-rank mode), read every link's counters when rank 0 marks
+     the start and the end of its training window (a poller thread answers the marks), collect the
+     worker's result;
+  4. statistics and the report (report.py).
+Failures of one system (a crash, a timeout) are recorded as ``failed (reason)`` and the next runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import warnings
+
+import numpy as np
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from ..topology.file_source import load_topology_file
+from ..topology.planner import plan_groups
+from .systems import SYSTEMS, Layout, availability, theory_bytes
+
+__all__ = ["PRESETS", "BenchSpec", "BenchError", "run_bench", "prepare_data", "REPO_ROOT"]
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class BenchError(ValueError):
+    """Bad benchmark input; the message names the field, the value and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    topology: str
+    """Path relative to the repository root."""
+    group_by: str
+    uplink_mbit: float
+    description: str
+
+
+PRESETS: dict[str, Preset] = {
+    "2x2": Preset("configs/topologies/virtual-2x2.json", "island", 200.0,
+                  "2 nodes x 2 ranks, node uplinks 200 Mbit/s; intra-node on loopback (topology: 20:1)"),
+    "4x1": Preset("configs/topologies/virtual-4x1.json", "island", 200.0,
+                  "4 nodes x 1 rank under one leaf, node uplinks 200 Mbit/s (a flat cluster)"),
+    "2leaf": Preset("configs/topologies/virtual-2leaf.json", "leaf", 200.0,
+                    "2 leaves x 2 nodes x 1 rank, node uplinks 200 Mbit/s, spine 2:1 oversubscribed"),
+}
+
+
+@dataclass
+class BenchSpec:
+    preset: str = "2x2"
+    systems: Sequence[str] = tuple(SYSTEMS)
+    steps: int = 40
+    micro_batch: int = 8
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    seq_length: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 6
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 1234
+    reconcile_interval: int = 4
+    sync_last_n_layers: int = 1
+    async_reconcile: bool = True
+    localsgd_warmup: int | None = None
+    """Global-DDP steps before post-local SGD turns local (default: the LR warm-up)."""
+    eval_batches: int = 4
+    target_loss: float | None = None
+    timeout_s: float = 900.0
+    """Per system."""
+    out_dir: str = "runs/bench"
+    data_dir: str | None = None
+    uplink_mbit: float | None = None
+    topology: str | None = None
+    """Overrides the preset's topology file."""
+    group_by: str | None = None
+    corpus_max_bytes: int = 4 * 1024 * 1024
+
+    def check(self) -> None:
+        if self.preset not in PRESETS:
+            raise BenchError(f"--preset {self.preset!r}: accepted: {', '.join(PRESETS)}")
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown:
+            raise BenchError(f"--systems: unknown {', '.join(unknown)}; accepted: {', '.join(SYSTEMS)}")
+        if not self.systems:
+            raise BenchError("--systems: give at least one system")
+        for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "reconcile_interval",
+                     "eval_batches"):
+            if int(getattr(self, name)) < 1:
+                raise BenchError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: must be at least 1")
+        if self.hidden % self.heads:
+            raise BenchError(f"--hidden {self.hidden}: must be a multiple of --heads {self.heads}")
+        if not self.lr > 0:
+            raise BenchError(f"--lr {self.lr!r}: must be positive")
+        if self.uplink_mbit is not None and not 0.01 <= self.uplink_mbit <= 1e7:
+            raise BenchError(f"--uplink-mbit {self.uplink_mbit!r}: expected a number in [0.01, 1e7] (Mbit/s)")
+        if self.target_loss is not None and not self.target_loss > 0:
+            raise BenchError(f"--target-loss {self.target_loss!r}: must be positive")
+
+    @property
+    def topology_file(self) -> str:
+        path = self.topology or PRESETS[self.preset].topology
+        return path if os.path.isabs(path) else os.path.join(REPO_ROOT, path)
+
+
+# ------------------------------------------------------------------------------------------ data
+
+def prepare_data(spec: BenchSpec, world: int, log: Callable[[str], None] = print) -> tuple[str, str, dict]:
+    """The train/validation samples of this run as .npz (cached by shape); returns paths + manifest."""
+    from ..train.data import build_gpt_datasets, prepare_dataset
+
+    data_dir = spec.data_dir or os.path.join(spec.out_dir, "data")
+    n_train = spec.steps * world * spec.micro_batch
+    n_val = spec.eval_batches * spec.micro_batch
+    key = f"seq{spec.seq_length}-seed{spec.seed}-n{n_train}-v{n_val}-c{spec.corpus_max_bytes}"
+    train_npz, val_npz = (os.path.join(data_dir, f"{key}-{s}.npz") for s in ("train", "val"))
+    prefix, manifest = prepare_dataset(data_dir, max_bytes=spec.corpus_max_bytes)
+    if os.path.exists(train_npz) and os.path.exists(val_npz):
+        return train_npz, val_npz, manifest
+    log(f"bench: cutting {n_train} training and {n_val} validation samples from {prefix}")
+    train_ds, valid_ds = build_gpt_datasets(prefix, seq_length=spec.seq_length, seed=spec.seed,
+                                            train_samples=n_train, valid_samples=n_val,
+                                            cache_dir=os.path.join(data_dir, "cache"))
+    for ds, n, path in ((train_ds, n_train, train_npz), (valid_ds, n_val, val_npz)):
+        items = [ds[i % len(ds)] for i in range(n)]
+        arrays = {k: np.stack([np.asarray(it[k]) for it in items]) for k in ("tokens", "labels", "loss_mask")}
+        arrays["tokens"] = arrays["tokens"].astype(np.uint16)
+        arrays["labels"] = arrays["labels"].astype(np.uint16)
+        arrays["loss_mask"] = arrays["loss_mask"].astype(np.float32)
+        np.savez(path + ".tmp.npz", **arrays)
+        os.replace(path + ".tmp.npz", path)
+    return train_npz, val_npz, manifest
+
+
+# ------------------------------------------------------------------------------------------ run
+
+class _Poller(threading.Thread):
+    """Answers the workers' marks: reads the cluster's counters, then writes the ack file."""
+
+    def __init__(self, cluster, ctl_dir: str):
+        super().__init__(daemon=True)
+        self.cluster, self.ctl = cluster, ctl_dir
+        self.snaps: dict = {}
+        self.error: str | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            for name in ("start", "end"):
+                if name not in self.snaps and os.path.exists(os.path.join(self.ctl, f"mark-{name}")):
+                    try:
+                        self.snaps[name] = (time.time(), self.cluster.counters())
+                    except Exception as exc:  # noqa: BLE001 - reported in the result
+                        self.error = f"counters at {name}: {exc}"
+                        self.snaps[name] = (time.time(), None)
+                    with open(os.path.join(self.ctl, f"ack-{name}"), "w") as fh:
+                        fh.write("ok")
+            self._halt.wait(0.01)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
+def _layout(topo, group_by: str) -> Layout:
+    plan = plan_groups(topo, group_by=group_by)
+    return Layout(tuple(r.host for r in topo.ranks), tuple(r.leaf for r in topo.ranks),
+                  tuple(tuple(g) for g in plan.intra_groups) if plan.hierarchical else None)
+
+
+def machine_description() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import torch
+
+    out = {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+           "torch": torch.__version__, "gpu": "none (CPU, gloo)"}
+    for mod in ("deepspeed", "megatron.core"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            out[mod] = getattr(m, "__version__", "?")
+        except Exception:  # noqa: BLE001
+            out[mod] = "not importable"
+    try:
+        out["load_before"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    return out
+
+
+def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: str | None = None) -> dict:
+    """Run every system of ``spec`` on one emulated cluster; returns (and writes) ``results.json``."""
+    from ..emulate import EmulatedCluster
+    from ..emulate.netns import unavailable_reason
+    from ..emulate.runner import launch
+
+    spec.check()
+    preset = PRESETS[spec.preset]
+    topo = load_topology_file(spec.topology_file)
+    group_by = spec.group_by or preset.group_by
+    layout = _layout(topo, group_by)
+    world = topo.world_size
+    os.makedirs(spec.out_dir, exist_ok=True)
+    reason = unavailable_reason()
+    if reason:
+        raise BenchError(f"cannot emulate a cluster: {reason}")
+    train_npz, val_npz, manifest = prepare_data(spec, world, log)
+
+    results: dict = {
+        "format": "topo-align/bench/v1", "command": command, "spec": asdict(spec) | {"systems": list(spec.systems)},
+        "preset": spec.preset, "preset_description": preset.description, "topology": topo.name,
+        "topology_file": os.path.relpath(spec.topology_file, REPO_ROOT), "group_by": group_by,
+        "layout": {"hosts": list(layout.hosts), "leaves": list(layout.leaves),
+                   "groups": [list(g) for g in layout.groups] if layout.groups else None},
+        "machine": machine_description(), "dataset": manifest, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "systems": [],
+    }
+    uplink = spec.uplink_mbit if spec.uplink_mbit is not None else preset.uplink_mbit
+    cluster = EmulatedCluster(topo, uplink_mbit=uplink)
+    with cluster:
+        results["emulation"] = {
+            "notes": list(cluster.notes), "mtu": cluster.layout.mtu,
+            "nodes": [{"host": n.host, "ranks": list(n.ranks), "uplink_mbit": n.uplink.rate_mbit,
+                       "uplink_delay_ms": n.uplink.delay_ms} for n in cluster.layout.nodes],
+            "spines": [{"leaf": s.leaf, "rate_mbit": s.shape.rate_mbit, "delay_ms": s.shape.delay_ms}
+                       for s in cluster.layout.spines],
+        }
+        for i, key in enumerate(spec.systems):
+            system = SYSTEMS[key]
+            entry = {"key": key, "label": system.label, "framework": system.framework, "note": system.note}
+            why = availability(system)
+            if why:
+                entry.update(status="not run", reason=why)
+                log(f"bench: {key}: not run ({why})")
+                results["systems"].append(entry)
+                continue
+            entry.update(_run_one(cluster, launch, spec, key, i, layout, group_by, train_npz, val_npz, log))
+            results["systems"].append(entry)
+            _write(os.path.join(spec.out_dir, "results.json"), results)
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    from .report import summarize
+
+    summarize(results, target_loss=spec.target_loss)
+    _write(os.path.join(spec.out_dir, "results.json"), results)
+    return results
+
+
+def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Layout, group_by: str,
+             train_npz: str, val_npz: str, log) -> dict:
+    sys_dir = os.path.abspath(os.path.join(spec.out_dir, key))
+    ctl = os.path.join(sys_dir, "ctl")
+    os.makedirs(ctl, exist_ok=True)
+    for name in os.listdir(ctl):
+        os.remove(os.path.join(ctl, name))
+    for stale in ("result.json",):
+        if os.path.exists(os.path.join(sys_dir, stale)):
+            os.remove(os.path.join(sys_dir, stale))
+    wspec = {
+        "system": key, "steps": spec.steps, "micro_batch": spec.micro_batch, "layers": spec.layers,
+        "hidden": spec.hidden, "heads": spec.heads, "seq_length": spec.seq_length, "lr": spec.lr,
+        "min_lr_ratio": spec.min_lr_ratio, "warmup_steps": spec.warmup_steps, "weight_decay": spec.weight_decay,
+        "clip": spec.clip, "seed": spec.seed, "reconcile_interval": spec.reconcile_interval,
+        "sync_last_n_layers": spec.sync_last_n_layers, "async_reconcile": spec.async_reconcile,
+        "localsgd_warmup": spec.warmup_steps if spec.localsgd_warmup is None else spec.localsgd_warmup,
+        "eval_batches": spec.eval_batches, "timeout_s": max(60.0, spec.timeout_s),
+        "train_npz": os.path.abspath(train_npz), "val_npz": os.path.abspath(val_npz),
+        "out_dir": sys_dir, "ctl_dir": ctl, "topology_file": spec.topology_file, "group_by": group_by,
+        "groups": [list(g) for g in layout.groups] if layout.groups else None,
+        "nodes": len(set(layout.hosts)),
+    }
+    spec_path = os.path.join(sys_dir, "spec.json")
+    _write(spec_path, wspec)
+    log(f"bench: {key}: running {spec.steps} steps on {len(layout.hosts)} ranks ...")
+    poller = _Poller(cluster, ctl)
+    poller.start()
+    env_note = {"load_start": os.getloadavg()[0]}  # other jobs on the shared cores skew step times
+    t0 = time.monotonic()
+    with open(os.path.join(sys_dir, "output.log"), "w", encoding="utf-8") as out:
+        try:
+            res = launch(cluster, [sys.executable, "-u", "-m", "topo_integrations.bench.worker", spec_path],
+                         mode="per-rank", timeout=spec.timeout_s, port=29500 + (index % 50) * 7, out=out)
+        finally:
+            poller.stop()
+    wall = time.monotonic() - t0
+    env_note["load_end"] = os.getloadavg()[0]
+    entry: dict = {"wall_s": wall, "log": os.path.relpath(os.path.join(sys_dir, "output.log")), **env_note}
+    result_path = os.path.join(sys_dir, "result.json")
+    if res.exit_code != 0 or not os.path.exists(result_path):
+        tail = _tail(os.path.join(sys_dir, "output.log"))
+        entry.update(status="failed", reason=f"{res.reason}; {tail}")
+        log(f"bench: {key}: failed ({res.reason}); see {entry['log']}")
+        return entry
+    with open(result_path, encoding="utf-8") as fh:
+        r = json.load(fh)
+    entry.update(status="ok", result=r)
+    if poller.error or any(v[1] is None for v in poller.snaps.values()) or len(poller.snaps) != 2:
+        entry["counters_error"] = poller.error or "a mark was not answered"
+    else:
+        (ta, a), (tb, b) = poller.snaps["start"], poller.snaps["end"]
+        d = b.minus(a)
+        steps = spec.steps
+        entry["measured"] = {
+            "window_s": tb - ta,
+            "cross_node_bytes": d.cross_node_bytes, "cross_leaf_bytes": d.cross_leaf_bytes,
+            "intra_node_bytes": d.intra_node_bytes,
+            "cross_node_bytes_per_step": d.cross_node_bytes / steps,
+            "cross_leaf_bytes_per_step": d.cross_leaf_bytes / steps,
+            "intra_node_bytes_per_step": d.intra_node_bytes / steps,
+            "links": d.to_json()["links"],
+        }
+    th = theory_bytes(key, layout, r["params"], r.get("info", {}))
+    if th is not None:
+        entry["theory"] = {"cross_node_bytes_per_step": th["node"], "cross_leaf_bytes_per_step": th["leaf"]}
+    log(f"bench: {key}: done in {wall:.0f} s")
+    return entry
+
+
+def _tail(path: str, n: int = 3) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = [ln.rstrip() for ln in fh if ln.strip()]
+    except OSError:
+        return "no output"
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+    pick = (errs[-1:] if errs else []) or lines[-n:]
+    return " | ".join(pick)[-400:]
+
+
+def _write(path: str, data: dict) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, default=str)
+        fh.write("\n")
+    os.replace(path + ".tmp", path)

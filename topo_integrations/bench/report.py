@@ -1,0 +1,282 @@
+"""Statistics, time to target loss, goal verdicts, the Markdown report and the PNG plots.
+
+Definitions (docs/benchmarks.md repeats them):
+- step time: per step, the slowest rank's wall time of that step; the first step (lazy allocation,
+  first bucket set-up) is left out of the median and spread when there are more than 2 steps;
+- final loss: mean training loss over ranks, averaged over the last ``w = max(2, steps // 10)`` steps;
+- time to target: training wall time (slowest rank) at the first step whose trailing ``w``-step mean
+  loss is at or below the target; the default target is 1.02 x the final loss of the reference
+  (stock DeepSpeed ZeRO-0, else PyTorch DDP), i.e. "as good as the baseline ends, within 2%".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["summarize", "markdown", "plot", "fmt_bytes", "REFERENCES"]
+
+REFERENCES = ("ds-zero0", "ddp", "megatron-ddp")
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "–"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _window(steps: int) -> int:
+    return max(2, steps // 10)
+
+
+def _smoothed(losses: Sequence[float], w: int) -> np.ndarray:
+    x = np.asarray(losses, dtype=float)
+    c = np.cumsum(np.insert(x, 0, 0.0))
+    out = np.empty_like(x)
+    for i in range(len(x)):
+        lo = max(0, i + 1 - w)
+        out[i] = (c[i + 1] - c[lo]) / (i + 1 - lo)
+    return out
+
+
+def _stats(e: dict) -> dict:
+    r = e["result"]
+    t = np.asarray(r["step_times_s"], dtype=float)
+    body = t[1:] if len(t) > 2 else t
+    w = _window(len(r["losses"]))
+    s = {
+        "steps": len(t), "step_median_s": float(np.median(body)), "step_p25_s": float(np.percentile(body, 25)),
+        "step_p75_s": float(np.percentile(body, 75)), "step_min_s": float(body.min()), "step_max_s": float(body.max()),
+        "train_s": float(r["step_end_s"][-1]), "final_loss": float(np.mean(r["losses"][-w:])),
+        "val_loss": r["val_loss"], "params": r["params"],
+    }
+    s["steps_per_s"] = 1.0 / s["step_median_s"]
+    return s
+
+
+def summarize(results: dict, *, target_loss: float | None = None) -> dict:
+    """Add ``summary`` to every system that ran, the target loss, times to target and goal verdicts."""
+    ok = {e["key"]: e for e in results["systems"] if e.get("status") == "ok"}
+    for e in ok.values():
+        e["summary"] = _stats(e)
+    ref = next((k for k in REFERENCES if k in ok), None)
+    if target_loss is None and ref is not None:
+        target_loss = 1.02 * ok[ref]["summary"]["final_loss"]
+        results["target_rule"] = f"1.02 x final loss of {ref}"
+    elif target_loss is not None:
+        results["target_rule"] = "given (--target-loss)"
+    results["target_loss"] = target_loss
+    results["reference"] = ref
+    for e in ok.values():
+        r, s = e["result"], e["summary"]
+        s["time_to_target_s"] = None
+        s["steps_to_target"] = None
+        if target_loss is not None:
+            sm = _smoothed(r["losses"], _window(len(r["losses"])))
+            hit = np.nonzero(sm <= target_loss)[0]
+            if len(hit):
+                s["steps_to_target"] = int(hit[0]) + 1
+                s["time_to_target_s"] = float(r["step_end_s"][hit[0]])
+        if ref is not None:
+            s["speedup_vs_ref"] = ok[ref]["summary"]["step_median_s"] / s["step_median_s"]
+            s["loss_vs_ref"] = s["final_loss"] / ok[ref]["summary"]["final_loss"] - 1.0
+        m, th = e.get("measured"), e.get("theory")
+        if m and th and th["cross_node_bytes_per_step"] > 0:
+            s["measured_over_theory"] = m["cross_node_bytes_per_step"] / th["cross_node_bytes_per_step"]
+    results["goals"] = _goals(results, ok)
+    return results
+
+
+def _goals(results: dict, ok: dict) -> list[dict]:
+    goals = []
+    base = ok.get("ds-zero0")
+    for key in ("topo-selective", "ds-topo-selective"):
+        e = ok.get(key)
+        g = {"goal": f"{key}: >= 2x the step throughput of stock DeepSpeed ZeRO-0 at a final loss within 2%"}
+        if e is None or base is None:
+            g.update(met=None, detail="not measured: " + ("selective" if e is None else "ds-zero0") + " did not run")
+        else:
+            sp = base["summary"]["step_median_s"] / e["summary"]["step_median_s"]
+            dl = e["summary"]["final_loss"] / base["summary"]["final_loss"] - 1
+            g.update(met=bool(sp >= 2.0 and abs(dl) <= 0.02),
+                     detail=f"{sp:.2f}x throughput (median step {e['summary']['step_median_s']:.3f} s vs "
+                            f"{base['summary']['step_median_s']:.3f} s), final loss {dl * 100:+.2f}%")
+        goals.append(g)
+        g = {"goal": f"{key}: shorter time to the target loss than post-local SGD + HierarchicalModelAverager"}
+        pl = ok.get("post-local-sgd")
+        if e is None or pl is None:
+            g.update(met=None, detail="not measured: " + ("selective" if e is None else "post-local-sgd") + " did not run")
+        else:
+            a, b = e["summary"]["time_to_target_s"], pl["summary"]["time_to_target_s"]
+            if a is None:
+                g.update(met=False, detail=f"selective did not reach the target {results['target_loss']:.4f}"
+                                           + (f"; post-local SGD did in {b:.1f} s" if b is not None else
+                                              "; neither did post-local SGD"))
+            else:
+                g.update(met=bool(b is None or a < b),
+                         detail=f"{a:.1f} s vs " + (f"{b:.1f} s" if b is not None else "never (post-local SGD did not reach it)"))
+        goals.append(g)
+    for key in ("topo-hier", "ds-topo-hier"):
+        e = ok.get(key)
+        g = {"goal": f"{key}: measured cross-node bytes within 10% of the theoretical minimum"}
+        if e is None or "measured_over_theory" not in e.get("summary", {}):
+            g.update(met=None, detail="not measured")
+        else:
+            q = e["summary"]["measured_over_theory"]
+            g.update(met=bool(abs(q - 1) <= 0.10),
+                     detail=f"measured {fmt_bytes(e['measured']['cross_node_bytes_per_step'])}/step vs theory "
+                            f"{fmt_bytes(e['theory']['cross_node_bytes_per_step'])}/step ({(q - 1) * 100:+.1f}%)")
+        goals.append(g)
+    return goals
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def _row(e: dict) -> str:
+    if e.get("status") != "ok":
+        return f"| {e['label']} | {e.get('status', '?')} ({e.get('reason', '')}) | | | | | | | |"
+    s, m, th = e["summary"], e.get("measured") or {}, e.get("theory") or {}
+    ttt = f"{s['time_to_target_s']:.1f} s (step {s['steps_to_target']})" if s.get("time_to_target_s") is not None else "not reached"
+    rel = f"{s['speedup_vs_ref']:.2f}x" if "speedup_vs_ref" in s else "–"
+    return (f"| {e['label']} | {s['step_median_s']:.3f} s ({s['step_p25_s']:.3f}–{s['step_p75_s']:.3f}; "
+            f"{s['step_min_s']:.3f}–{s['step_max_s']:.3f}) | {rel} "
+            f"| {fmt_bytes(m.get('cross_node_bytes_per_step'))} | {fmt_bytes(th.get('cross_node_bytes_per_step'))} "
+            f"| {_leaf(m, th)} "
+            f"| {s['final_loss']:.4f} | {s['val_loss']:.4f} | {ttt} |")
+
+
+def _leaf(m: dict, th: dict) -> str:
+    if not m.get("cross_leaf_bytes"):
+        return "–"
+    out = fmt_bytes(m.get("cross_leaf_bytes_per_step"))
+    if th.get("cross_leaf_bytes_per_step"):
+        out += f" (theory {fmt_bytes(th['cross_leaf_bytes_per_step'])})"
+    return out
+
+
+def table(results: dict) -> str:
+    head = ("| system | step time: median (IQR; min–max) | throughput vs ref. | cross-node bytes/step, measured "
+            "| theoretical min. (algorithm) | cross-leaf bytes/step | final train loss | val loss | time to target |\n"
+            "|---|---|---|---|---|---|---|---|---|")
+    return "\n".join([head] + [_row(e) for e in results["systems"]])
+
+
+def goals_md(results: dict) -> str:
+    out = []
+    for g in results.get("goals", []):
+        mark = {True: "**met**", False: "**missed**", None: "not measured"}[g["met"]]
+        out.append(f"- {g['goal']}: {mark}. {g['detail']}.")
+    return "\n".join(out)
+
+
+def markdown(results: dict, images: dict[str, str] | None = None) -> str:
+    spec, mach = results["spec"], results["machine"]
+    em = results.get("emulation", {})
+    lines = [
+        f"### Preset `{results['preset']}`: {results['preset_description']}",
+        "",
+        f"Command: `{results.get('command') or 'n/a'}`",
+        "",
+        f"Machine: {mach.get('cpu')}, {mach.get('cores')} cores, no GPU; kernel {mach.get('kernel')}; "
+        f"Python {mach.get('python')}, torch {mach.get('torch')}, deepspeed {mach.get('deepspeed')}, "
+        f"megatron-core {mach.get('megatron.core')}; load average before the run {mach.get('load_before', 0):.1f} "
+        f"(the cores are shared with other jobs). Run {results.get('started')} to {results.get('finished')}. "
+        "**Emulated** cluster: Linux network namespaces, veth + bridges, `tc` HTB shaping; gloo over real TCP.",
+        "",
+        f"Topology `{results['topology_file']}` (group_by `{results['group_by']}`): "
+        + ", ".join(f"{n['host']} ranks {n['ranks']} uplink {n['uplink_mbit']:g} Mbit/s" for n in em.get("nodes", []))
+        + ("; spine " + ", ".join(f"{s['leaf']} {s['rate_mbit']:g} Mbit/s" for s in em.get("spines", [])) if em.get("spines") else "")
+        + ". " + " ".join(em.get("notes", [])),
+        "",
+        f"Workload: GPT {spec['layers']} layers x {spec['hidden']} hidden, {spec['heads']} heads, sequence "
+        f"{spec['seq_length']}, byte-level vocabulary; micro-batch {spec['micro_batch']} per rank, {spec['steps']} steps, "
+        f"AdamW lr {spec['lr']:g} (warm-up {spec['warmup_steps']}, cosine to {spec['min_lr_ratio']:g}x), clip {spec['clip']:g}, "
+        f"seed {spec['seed']}; selective: last {spec['sync_last_n_layers']} layer(s) + head SYNC, reconcile every "
+        f"{spec['reconcile_interval']} steps; post-local SGD: averaging period {spec['reconcile_interval']}, warm-up "
+        f"{spec['localsgd_warmup'] if spec['localsgd_warmup'] is not None else spec['warmup_steps']} global steps. "
+        f"Target loss {results['target_loss']:.4f} ({results.get('target_rule')})." if results.get("target_loss") else "",
+        "",
+        table(results),
+        "",
+        "Goals:",
+        "",
+        goals_md(results) or "- (no goal measurable in this run)",
+        "",
+    ]
+    loads = [f"{e['key']} {e['load_start']:.0f}→{e['load_end']:.0f}" for e in results["systems"] if "load_start" in e]
+    if loads:
+        lines.insert(-6, "1-minute load average of the machine at the start → end of each system's run (2 cores; "
+                         "other jobs shared them): " + ", ".join(loads) + ".\n")
+    params = sorted({e["summary"]["params"] for e in results["systems"] if e.get("status") == "ok"})
+    if params:
+        lines.insert(-6, f"Parameters: {', '.join(f'{p / 1e6:.3f}M' for p in params)} (megatron-core's GPTModel pads "
+                         "the vocabulary to 264).\n")
+    for name, path in (images or {}).items():
+        lines += [f"![{name}]({path})", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, img_dir: str, stem: str) -> dict[str, str]:
+    """loss vs wall time, and bytes per tier; returns {title: path}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(img_dir, exist_ok=True)
+    ok = [e for e in results["systems"] if e.get("status") == "ok"]
+    out = {}
+    if not ok:
+        return out
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    cmap = plt.get_cmap("tab20")
+    for i, e in enumerate(ok):
+        r = e["result"]
+        w = _window(len(r["losses"]))
+        # topo-align's own rows solid, the peers dashed; 20 distinct colours
+        style = "-" if e.get("framework") == "topo-align" else "--"
+        ax.plot(r["step_end_s"], _smoothed(r["losses"], w), style, color=cmap(i % 20), label=e["label"], lw=1.4)
+    if results.get("target_loss"):
+        ax.axhline(results["target_loss"], color="grey", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("training wall time (s, slowest rank)")
+    ax.set_ylabel(f"training loss ({_window(len(ok[0]['result']['losses']))}-step mean)")
+    ax.set_title(f"Loss vs wall time, emulated {results['preset']} ({results['topology']})")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    p = os.path.join(img_dir, f"{stem}-loss-vs-time.png")
+    fig.tight_layout()
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    out["loss vs wall time"] = p
+
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    labels = [e["label"] for e in ok]
+    x = np.arange(len(ok))
+    tiers = [("cross_node_bytes_per_step", "cross-node (measured)"), ("cross_leaf_bytes_per_step", "cross-leaf (measured)"),
+             ("intra_node_bytes_per_step", "intra-node loopback (measured)")]
+    bw = 0.22
+    for j, (k, name) in enumerate(tiers):
+        vals = [(e.get("measured") or {}).get(k, 0) / 1e6 for e in ok]
+        if j == 1 and not any(vals):
+            continue
+        ax.bar(x + (j - 1) * bw, vals, bw, label=name)
+    th = [(e.get("theory") or {}).get("cross_node_bytes_per_step") for e in ok]
+    ax.scatter([x[i] - bw for i, v in enumerate(th) if v is not None], [v / 1e6 for v in th if v is not None],
+               marker="_", s=300, color="black", label="cross-node theoretical min.", zorder=3)
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("MB per training step")
+    ax.set_title(f"Bytes per tier per step, emulated {results['preset']}")
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    p = os.path.join(img_dir, f"{stem}-bytes-per-tier.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    out["bytes per tier"] = p
+    return out

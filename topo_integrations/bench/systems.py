@@ -1,0 +1,191 @@
+"""The systems `topo-align bench` compares, whether each can run here, and its theoretical bytes.
+
+Every system trains the same GPT (same shape, initial weights from the same seed, same data, same
+AdamW schedule, same clipping); they differ only in how gradients (or parameters) cross ranks.
+
+Theoretical bytes (``theory_bytes``) are the payload an algorithm must move per training step when
+it runs as designed on the given rank layout, counted per link cut the emulator measures:
+``node`` = bytes leaving a node (sum over node uplinks), ``leaf`` = bytes leaving a leaf through the
+spine. Collectives are priced as rings over their members in rank order (what gloo runs for large
+tensors): an all-reduce of S bytes over m members sends 2(m-1)/m*S on each of the m ring edges, a
+reduce-scatter or all-gather (m-1)/m*S; an edge counts toward a cut when its two ends sit on
+different nodes (leaves). Scalars (loss, clip norm, overflow flags) are left out; wire headers and
+TCP ACKs (1-3% at MTU 9000) are not payload, so measured counters sit slightly above theory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+__all__ = ["System", "SYSTEMS", "DEFAULT_SYSTEMS", "Layout", "ring_bytes", "theory_bytes", "availability"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each rank sits: ``hosts[r]`` and ``leaves[r]``; ``groups`` = topo-align's intra groups
+    for this preset (None when the plan is flat)."""
+
+    hosts: tuple[str, ...]
+    leaves: tuple[str, ...]
+    groups: tuple[tuple[int, ...], ...] | None
+
+    @property
+    def world(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def rails(self) -> tuple[tuple[int, ...], ...]:
+        assert self.groups is not None
+        return tuple(zip(*self.groups))
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.hosts.count(self.hosts[0])
+
+
+def ring_bytes(layout: Layout, members: Sequence[int], nbytes: float, kind: str) -> dict[str, float]:
+    """Bytes crossing the node and leaf cuts for one ring collective of ``nbytes`` over ``members``.
+    ``kind``: ``allreduce`` (2(m-1)/m per edge) or ``scatter``/``gather`` ((m-1)/m per edge)."""
+    m = len(members)
+    out = {"node": 0.0, "leaf": 0.0}
+    if m < 2:
+        return out
+    per_edge = (2.0 if kind == "allreduce" else 1.0) * (m - 1) / m * nbytes
+    for i, a in enumerate(members):
+        b = members[(i + 1) % m]
+        if layout.hosts[a] != layout.hosts[b]:
+            out["node"] += per_edge
+        if layout.leaves[a] != layout.leaves[b]:
+            out["leaf"] += per_edge
+    return out
+
+
+def _add(*parts: dict[str, float], scale: float = 1.0) -> dict[str, float]:
+    return {k: scale * sum(p[k] for p in parts) for k in ("node", "leaf")}
+
+
+def flat_ring(layout: Layout, nbytes: float) -> dict[str, float]:
+    return ring_bytes(layout, range(layout.world), nbytes, "allreduce")
+
+
+def hierarchical(layout: Layout, nbytes: float) -> dict[str, float]:
+    """Intra reduce-scatter + rail all-reduce of the 1/k shard + intra all-gather."""
+    if layout.groups is None:
+        return flat_ring(layout, nbytes)
+    k = len(layout.groups[0])
+    parts = [ring_bytes(layout, g, nbytes, "scatter") for g in layout.groups]
+    parts += [ring_bytes(layout, g, nbytes, "gather") for g in layout.groups]
+    parts += [ring_bytes(layout, r, nbytes / k, "allreduce") for r in layout.rails]
+    return _add(*parts)
+
+
+def in_group(layout: Layout, nbytes: float) -> dict[str, float]:
+    """An all-reduce inside each intra group only (LOCAL class, post-local-SGD's subgroup)."""
+    if layout.groups is None:
+        return {"node": 0.0, "leaf": 0.0}
+    return _add(*[ring_bytes(layout, g, nbytes, "allreduce") for g in layout.groups])
+
+
+def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str, float] | None:
+    """Payload bytes per training step across the node and leaf cuts for system ``key`` (fp32
+    gradients of ``params`` elements), averaged over the run's ``info['steps']`` steps. ``info`` is
+    what the worker reported (steps, sync_fraction, reconcile_interval, warmup...)."""
+    S = 4.0 * params
+    steps = max(1, int(info.get("steps", 1)))
+    if key in ("ds-zero0", "ddp", "megatron-ddp", "topo-flat"):
+        return flat_ring(layout, S)
+    if key == "ds-zero2":
+        # Gradient reduce-scatter + fp32 parameter all-gather: the bytes of one all-reduce.
+        return flat_ring(layout, S)
+    if key == "ddp-fp16":
+        return flat_ring(layout, S / 2)
+    if key == "megatron-distopt":
+        # Instances = nodes: reduce-scatter inside the instance, all-reduce of the shard across
+        # instances, parameter all-gather inside the instance: the hierarchical pattern by node.
+        return hierarchical(Layout(layout.hosts, layout.leaves, _node_groups(layout)), S)
+    if key in ("topo-hier", "ds-topo-hier"):
+        return hierarchical(layout, S)
+    if key in ("topo-selective", "ds-topo-selective"):
+        f = info.get("sync_fraction")
+        if f is None or layout.groups is None:
+            return hierarchical(layout, S) if layout.groups is None else None
+        H = int(info.get("reconcile_interval", 4))
+        n_rec = int(info.get("reconciles", steps // H))
+        # LOCAL params + Adam exp_avg + exp_avg_sq are averaged at each reconciliation (3 tensors).
+        per_rec = _add(hierarchical(layout, 3 * (1 - f) * S))
+        sync = hierarchical(layout, f * S)
+        return {k: sync[k] + per_rec[k] * n_rec / steps for k in sync}
+    if key == "post-local-sgd":
+        w = min(steps, int(info.get("localsgd_warmup", 0)))
+        H = int(info.get("averaging_period", 4))
+        n_avg = int(info.get("averages", max(0, (steps - w)) // H))
+        glob = flat_ring(layout, S)
+        sub = in_group(layout, S)
+        # Warm-up: DDP all-reduce over the world; then all-reduce inside the subgroup every step and
+        # a world all-reduce of the parameters every H steps (HierarchicalModelAverager, one level).
+        tot = {k: w * glob[k] + (steps - w) * sub[k] + n_avg * glob[k] for k in glob}
+        return {k: v / steps for k, v in tot.items()}
+    return None
+
+
+def _node_groups(layout: Layout) -> tuple[tuple[int, ...], ...] | None:
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(layout.hosts):
+        by_host.setdefault(h, []).append(r)
+    groups = tuple(tuple(v) for v in by_host.values())
+    return groups if len(groups[0]) > 1 else None
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    label: str
+    framework: str
+    needs: tuple[str, ...]
+    """``module`` or ``module:attribute`` that must import for the system to run."""
+    note: str = ""
+
+
+SYSTEMS: dict[str, System] = {s.key: s for s in [
+    System("ds-zero0", "DeepSpeed ZeRO-0 (stock)", "deepspeed", ("deepspeed",)),
+    System("ds-zero2", "DeepSpeed ZeRO-2 (stock)", "deepspeed", ("deepspeed",)),
+    System("megatron-ddp", "Megatron-core DDP (stock)", "megatron",
+           ("megatron.core.distributed:DistributedDataParallel", "topo_integrations.megatron.cpu_compat:apply"),
+           "megatron-core needs CUDA; run through topo-align's CPU compatibility layer"),
+    System("megatron-distopt", "Megatron-core DistOpt, instances = nodes (stock)", "megatron",
+           ("megatron.core.distributed:DistributedDataParallel", "topo_integrations.megatron.cpu_compat:apply"),
+           "megatron-core needs CUDA; run through topo-align's CPU compatibility layer"),
+    System("ddp", "PyTorch DDP", "torch", ("torch.nn.parallel:DistributedDataParallel",)),
+    System("ddp-fp16", "PyTorch DDP + fp16_compress_hook", "torch",
+           ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks:fp16_compress_hook",)),
+    System("post-local-sgd", "PyTorch post-local SGD + HierarchicalModelAverager", "torch",
+           ("torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook:post_localSGD_hook",
+            "torch.distributed.algorithms.model_averaging.hierarchical_model_averager:HierarchicalModelAverager")),
+    System("topo-flat", "topo-align flat (GroupedReducer)", "topo-align",
+           ("topo_integrations.reducer:GroupedReducer",)),
+    System("topo-hier", "topo-align hierarchical (GroupedReducer)", "topo-align",
+           ("topo_integrations.reducer:GroupedReducer",)),
+    System("topo-selective", "topo-align selective (GroupedReducer)", "topo-align",
+           ("topo_integrations.reducer:GroupedReducer",)),
+    System("ds-topo-hier", "topo-align hierarchical in DeepSpeed ZeRO-0", "topo-align",
+           ("deepspeed", "topo_integrations.deepspeed:initialize")),
+    System("ds-topo-selective", "topo-align selective in DeepSpeed ZeRO-0", "topo-align",
+           ("deepspeed", "topo_integrations.deepspeed:initialize")),
+]}
+
+DEFAULT_SYSTEMS: tuple[str, ...] = tuple(SYSTEMS)
+
+
+def availability(system: System, importer: Callable[[str], object] = importlib.import_module) -> str | None:
+    """None when every requirement imports, else the reason the system cannot run here."""
+    for need in system.needs:
+        mod, _, attr = need.partition(":")
+        try:
+            m = importer(mod)
+        except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+            return f"{mod} does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        if attr and not hasattr(m, attr):
+            return f"{mod} has no {attr} (adapter not built yet)"
+    return None

@@ -1,0 +1,157 @@
+"""`topo-align bench`: train the same GPT side by side under each system on one emulated cluster.
+
+    topo-align bench [--preset 2x2|4x1|2leaf] [--systems a,b,...] [--steps N] [--quick]
+                     [--out-dir DIR] [--markdown FILE] [--img-dir DIR] [--target-loss X] ...
+
+Thin command-line shim over :mod:`topo_integrations.bench` (driver, systems, report). Exit code 0
+when every requested system ran or was reported "not run (reason)", 1 when a system failed, 2 on
+bad input or where namespaces cannot be made (not root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+__all__ = ["add_arguments", "run", "main", "QUICK"]
+
+PROG = "topo-align bench"
+
+QUICK = dict(steps=6, micro_batch=2, layers=2, hidden=64, heads=2, seq_length=32, eval_batches=1, warmup_steps=2,
+             reconcile_interval=2)
+"""--quick: a few steps of a tiny GPT (CI smoke test); figures from it mean nothing."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..bench.driver import PRESETS
+    from ..bench.systems import SYSTEMS
+
+    p.add_argument("--preset", default="2x2", choices=sorted(PRESETS),
+                   help="emulated cluster: 2x2 (default; 2 nodes x 2 ranks, 200 Mbit/s uplinks), 4x1, 2leaf")
+    p.add_argument("--systems", default=None, metavar="A,B,...",
+                   help=f"comma-separated subset, in run order (default: all): {', '.join(SYSTEMS)}")
+    p.add_argument("--quick", action="store_true", help="a few steps of a tiny model (smoke test)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per system (default 40)")
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per step (default 8)")
+    p.add_argument("--layers", type=int, default=None, help="GPT layers (default 4)")
+    p.add_argument("--hidden", type=int, default=None, help="GPT hidden size (default 256: 3.3M parameters)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sample (default 128)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="LR warm-up steps (default 6)")
+    p.add_argument("--reconcile-interval", type=int, default=None,
+                   help="selective reconcile interval = post-local SGD averaging period (default 4)")
+    p.add_argument("--localsgd-warmup", type=int, default=None,
+                   help="global DDP steps before post-local SGD goes local (default: the LR warm-up)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="target training loss (default: 1.02 x the final loss of stock DeepSpeed ZeRO-0)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--uplink-mbit", type=float, default=None, help="override every node uplink (Mbit/s)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="per-system time limit (default 900 s)")
+    p.add_argument("--out-dir", default="runs/bench", help="results.json, per-system logs (default runs/bench)")
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="write this preset's section (table, goals, plots) into FILE, e.g. docs/benchmarks.md")
+    p.add_argument("--from-results", default=None, metavar="RESULTS.json",
+                   help="run nothing: re-render the table, goals and plots of a saved results.json")
+    p.add_argument("--img-dir", default=None, metavar="DIR",
+                   help="where the PNG plots go (default: docs/img beside --markdown, else OUT_DIR)")
+
+
+def _spec(args: argparse.Namespace):
+    from ..bench.driver import BenchSpec
+    from ..bench.systems import SYSTEMS
+
+    kw: dict = {}
+    if args.quick:
+        kw.update(QUICK)
+    for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "lr", "warmup_steps",
+                 "reconcile_interval", "localsgd_warmup", "target_loss", "seed", "uplink_mbit"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    if args.timeout is not None:
+        kw["timeout_s"] = args.timeout
+    systems = tuple(SYSTEMS) if args.systems is None else tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    return BenchSpec(preset=args.preset, systems=systems, out_dir=args.out_dir, **kw)
+
+
+def write_section(path: str, preset: str, text: str) -> None:
+    """Replace this preset's marked section of ``path`` (or append it)."""
+    begin, end = f"<!-- bench:{preset}:begin -->", f"<!-- bench:{preset}:end -->"
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip() + "\n\n" + block + "\n"
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        fh.write(new)
+    os.replace(path + ".tmp", path)
+
+
+def _load_results(path: str, spec) -> dict:
+    import json
+
+    from ..bench.driver import BenchError
+    from ..bench.report import summarize
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            results = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--from-results {path!r}: cannot read it ({exc})") from None
+    if results.get("format") != "topo-align/bench/v1":
+        raise BenchError(f"--from-results {path!r}: not a topo-align bench results file")
+    spec.preset = results["preset"]
+    return summarize(results, target_loss=spec.target_loss)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.driver import BenchError, run_bench
+    from ..bench.report import markdown, plot
+
+    try:
+        spec = _spec(args)
+        spec.check()
+    except BenchError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    command = "topo-align bench " + " ".join(shlex.quote(a) for a in (getattr(args, "_argv", None) or sys.argv[2:]))
+    try:
+        if args.from_results:
+            results = _load_results(args.from_results, spec)
+        else:
+            results = run_bench(spec, log=lambda m: print(m, file=sys.stderr, flush=True), command=command)
+    except BenchError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; emulated cluster removed", file=sys.stderr)
+        return 130
+    img_dir = args.img_dir or (os.path.join(os.path.dirname(os.path.abspath(args.markdown)), "img") if args.markdown
+                               else args.out_dir)
+    stem = f"bench-{spec.preset}" + ("-quick" if args.quick else "")
+    images = plot(results, img_dir, stem)
+    if args.markdown:
+        rel = {k: os.path.relpath(v, os.path.dirname(os.path.abspath(args.markdown))) for k, v in images.items()}
+        write_section(args.markdown, spec.preset + ("-quick" if args.quick else ""), markdown(results, rel))
+    from ..bench.report import table
+
+    print(table(results))
+    for g in results.get("goals", []):
+        print(f"goal: {g['goal']}: {g['met']}: {g['detail']}")
+    return 1 if any(e.get("status") == "failed" for e in results["systems"]) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
