@@ -119,6 +119,12 @@ class LocalConfig(_Section):
     """Start the reconciliation without blocking and apply it as a correction one interval later
     (staleness bounded by one interval)."""
 
+    promote_drift_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Drift-driven promotion: after a blocking reconciliation, the LOCAL tensors whose replicas had
+    drifted apart most (relative norm, see `reducer/drift.py`) become SYNC for good, largest drift
+    first, while the promoted tensors stay within this fraction of all gradient elements. 0 (default)
+    only measures and logs the drift. When on, reconciliations block until the budget is used."""
+
 
 class ImportanceConfig(_Section):
     method: Literal["fisher", "hutchinson", "magnitude"] = "fisher"

@@ -1,0 +1,438 @@
+#!/usr/bin/env python
+"""Convergence evidence: model quality of `selective` (and `hierarchical`) against `flat`.
+
+Trains the same model from the same seed on the same global batches under `flat` (the reference),
+`hierarchical` and `selective` with a one-factor-at-a-time grid around the DESIGN defaults, on two
+tasks, with the framework-free GroupedReducer on 4 gloo ranks in 2 groups (2 virtual nodes x 2,
+faked with TOPO_ALIGN_HOSTNAME):
+
+  gpt     the launch scripts' model (topo_integrations.train.model.GPT, 8 layers, hidden 64) on the
+          bundled byte-level corpus (the Python standard library's sources,
+          topo_integrations.train.data); metric: validation loss (lower is better).
+  digits  a residual MLP (8 blocks) on scikit-learn's `load_digits` (ships inside the package);
+          metric: accuracy on a held-out 30 % split (higher is better).
+
+Every run of a task shares one world (the ranks start once per task and seed, the runs follow one
+another), so the wall time is the training, not process start-up.
+
+  .venv/bin/python scripts/convergence.py --grid full --seeds 0 1 --out runs/convergence
+  .venv/bin/python scripts/convergence.py --report runs/convergence   # tables + PNGs into docs/
+
+The final metric of every run is measured after a blocking reconciliation (what a checkpoint save
+does), so `selective` is judged on the model a user would keep. Curves in between show the mean
+over the 4 replicas of the metric of each rank's own replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+HOSTNAME_ENV = "TOPO_ALIGN_HOSTNAME"
+WORLD = 4
+GROUP = 2
+
+# The DESIGN defaults (config.py) are what `selective` with no override runs.
+DEFAULTS = {"sync.top_fraction": 0.15, "sync.last_n_layers": 5, "local.reconcile_interval": 4,
+            "importance.method": "fisher", "local.async_reconcile": True}
+
+TASKS = {
+    # steps: enough for the curves to flatten on 2 CPU cores (see docs/convergence.md).
+    "gpt": {"steps": 100, "eval_every": 10, "lr": 3e-3, "warmup": 20, "micro_batch": 8},
+    "digits": {"steps": 200, "eval_every": 20, "lr": 2e-3, "warmup": 10, "micro_batch": 16},
+}
+
+
+def grid(kind: str) -> list[tuple[str, str, dict]]:
+    """(run name, mode, config overrides) of a grid. `full`: one factor at a time around the defaults."""
+    runs = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("selective-default", "selective", {})]
+    if kind in ("key", "ci"):
+        return runs if kind == "key" else [runs[0], runs[2]]
+    if kind != "full":
+        raise ValueError(f"--grid {kind!r}; expected 'full', 'key' or 'ci'")
+    for v in (0.0, 0.05, 0.5):
+        runs.append((f"top_fraction={v}", "selective", {"sync.top_fraction": v}))
+    for v in (0, 2):
+        runs.append((f"last_n_layers={v}", "selective", {"sync.last_n_layers": v}))
+    for v in (1, 16):
+        runs.append((f"reconcile_interval={v}", "selective", {"local.reconcile_interval": v}))
+    # Classes are first ranked by parameter magnitude and re-ranked by the configured method every
+    # refresh_interval (default 200) steps; refresh every 40 steps so the method matters in a short run.
+    for m in ("fisher", "hutchinson", "magnitude"):
+        runs.append((f"importance={m},refresh=40", "selective",
+                     {"importance.method": m, "importance.refresh_interval": 40}))
+    runs.append(("async=off", "selective", {"local.async_reconcile": False}))
+    # The corner where selective should lose: nothing SYNC but the head, rare reconciliation.
+    corner = {"sync.top_fraction": 0.0, "sync.last_n_layers": 0, "local.reconcile_interval": 16}
+    runs.append(("corner(top=0,last=0,H=16)", "selective", corner))
+    runs.append(("corner+promote_drift=0.15", "selective", {**corner, "local.promote_drift_fraction": 0.15}))
+    return runs
+
+
+def make_cfg(mode: str, overrides: dict):
+    from topo_integrations.config import TopoAlignConfig
+
+    block = {"mode": mode, "topology": {"source": "hostnames"}, "communication": {"bucket_size_mb": 1.0},
+             "fallback": {"timeout_s": 300.0}}
+    cfg = TopoAlignConfig.model_validate(block)
+    return cfg.with_overrides(overrides) if overrides else cfg
+
+
+# ---------------------------------------------------------------------------- tasks
+
+class GPTTask:
+    """Byte-level GPT on the bundled standard-library corpus; metric: validation loss."""
+
+    name, metric, higher_is_better = "gpt", "val_loss", False
+
+    def __init__(self, seed: int, corpus_bytes: int = 1 << 19, val_seqs: int = 64):
+        import torch
+        from topo_integrations.train.data import ByteTokenizer, collect_stdlib_corpus
+        from topo_integrations.train.model import GPTConfig
+
+        self.cfg = GPTConfig(num_layers=8, hidden=64, heads=4, seq_length=64)
+        docs = collect_stdlib_corpus(max_bytes=corpus_bytes)
+        eod = ByteTokenizer.eod
+        ids: list[int] = []
+        cut = None
+        for i, (_, data) in enumerate(docs):
+            if cut is None and len(ids) >= 0.95 * corpus_bytes:
+                cut = len(ids)  # validation = the last documents (no document is split)
+            ids.extend(data)
+            ids.append(eod)
+        toks = torch.tensor(ids, dtype=torch.long)
+        cut = cut if cut is not None else int(0.95 * len(ids))
+        self.train, self.valid = toks[:cut], toks[cut:]
+        L = self.cfg.seq_length
+        g = torch.Generator().manual_seed(12345)  # the validation windows never depend on the run seed
+        starts = torch.randint(0, len(self.valid) - L - 1, (val_seqs,), generator=g)
+        self.val_x = torch.stack([self.valid[s:s + L] for s in starts.tolist()])
+        self.val_y = torch.stack([self.valid[s + 1:s + L + 1] for s in starts.tolist()])
+        self.seed = seed
+
+    def model(self):
+        from topo_integrations.train.model import GPT
+        return GPT(self.cfg)
+
+    def batch(self, step: int, rank: int, micro: int):
+        """Rank ``rank``'s share of the global batch of ``step`` (the same for every mode)."""
+        import torch
+        L = self.cfg.seq_length
+        g = torch.Generator().manual_seed(1_000_003 * self.seed + step)
+        starts = torch.randint(0, len(self.train) - L - 1, (micro * WORLD,), generator=g)[rank * micro:(rank + 1) * micro]
+        x = torch.stack([self.train[s:s + L] for s in starts.tolist()])
+        y = torch.stack([self.train[s + 1:s + L + 1] for s in starts.tolist()])
+        return x, y
+
+    def loss(self, model, x, y):
+        return model(x, y)
+
+    def evaluate(self, model, rank: int) -> dict:
+        """This rank's quarter of the validation windows: (sum of losses, count)."""
+        import torch
+        n = len(self.val_x) // WORLD
+        with torch.no_grad():
+            l = model(self.val_x[rank * n:(rank + 1) * n], self.val_y[rank * n:(rank + 1) * n])
+        return {"sum": float(l) * n, "n": n}
+
+
+class DigitsTask:
+    """Residual MLP on scikit-learn's load_digits; metric: held-out accuracy (30 %, stratified)."""
+
+    name, metric, higher_is_better = "digits", "accuracy", True
+
+    def __init__(self, seed: int):
+        import numpy as np
+        import torch
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        X = torch.tensor(d.data / 16.0, dtype=torch.float32)
+        y = torch.tensor(d.target, dtype=torch.long)
+        rng = np.random.default_rng(0)  # the split never depends on the run seed
+        test_idx = []
+        for c in range(10):
+            idx = np.flatnonzero(d.target == c)
+            rng.shuffle(idx)
+            test_idx.extend(idx[: int(round(0.3 * len(idx)))].tolist())
+        mask = torch.zeros(len(y), dtype=torch.bool)
+        mask[test_idx] = True
+        self.Xtr, self.ytr, self.Xte, self.yte = X[~mask], y[~mask], X[mask], y[mask]
+        self.seed = seed
+
+    def model(self):
+        import torch.nn as nn
+
+        class Block(nn.Module):
+            def __init__(self, d):
+                super().__init__()
+                self.norm = nn.LayerNorm(d)
+                self.fc = nn.Linear(d, d)
+
+            def forward(self, x):
+                return x + nn.functional.gelu(self.fc(self.norm(x)))
+
+        class ResMLP(nn.Module):
+            # `layers.N` so layer detection finds the blocks; `output_layer` matches always_sync.
+            def __init__(self, d=64, n=8):
+                super().__init__()
+                self.stem = nn.Linear(64, d)
+                self.layers = nn.ModuleList(Block(d) for _ in range(n))
+                self.norm = nn.LayerNorm(d)
+                self.output_layer = nn.Linear(d, 10)
+
+            def forward(self, x):
+                h = self.stem(x)
+                for b in self.layers:
+                    h = b(h)
+                return self.output_layer(self.norm(h))
+
+        return ResMLP()
+
+    def batch(self, step: int, rank: int, micro: int):
+        import torch
+        g = torch.Generator().manual_seed(1_000_003 * self.seed + step)
+        idx = torch.randint(0, len(self.ytr), (micro * WORLD,), generator=g)[rank * micro:(rank + 1) * micro]
+        return self.Xtr[idx], self.ytr[idx]
+
+    def loss(self, model, x, y):
+        import torch.nn.functional as F
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model, rank: int) -> dict:
+        """This rank's quarter of the held-out split: (correct, count)."""
+        import torch
+        n = math.ceil(len(self.yte) / WORLD)
+        x, y = self.Xte[rank * n:(rank + 1) * n], self.yte[rank * n:(rank + 1) * n]
+        with torch.no_grad():
+            correct = int((model(x).argmax(-1) == y).sum())
+        return {"sum": float(correct), "n": len(y)}
+
+
+def make_task(name: str, seed: int):
+    return {"gpt": GPTTask, "digits": DigitsTask}[name](seed)
+
+
+# ---------------------------------------------------------------------------- one run on every rank
+
+def _agreed_metric(task, model, rank) -> float:
+    import torch
+    import torch.distributed as dist
+    r = task.evaluate(model, rank)
+    t = torch.tensor([r["sum"], float(r["n"])], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int, eval_every: int, lr: float,
+              warmup: int, micro: int, seed: int) -> dict:
+    """Train one configuration from ``seed``; returns curves and final metric (same on every rank)."""
+    import torch
+    import torch.distributed as dist
+    from topo_integrations.reducer import GroupedReducer
+
+    torch.manual_seed(seed)
+    model = task.model()
+    cfg = make_cfg(mode, overrides)
+    holder = {}
+
+    def hvp_loss():
+        # Hutchinson needs a double backward; the fused CPU attention kernels have none, the math one has.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            return task.loss(model, *holder["batch"])
+
+    closure = hvp_loss if cfg.importance.method == "hutchinson" else None
+    red = GroupedReducer(model, cfg, groups=groups, loss_closure=closure)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    curve, train_curve = [], []
+    t0 = time.perf_counter()
+    ema = None
+    for s in range(steps):
+        # linear warm-up, cosine decay to 10 %
+        f = (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+        for gr in opt.param_groups:
+            gr["lr"] = lr * f
+        x, y = task.batch(s, rank, micro)
+        holder["batch"] = (x, y)
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss(model, x, y)
+        loss.backward()
+        red.finish_grad_sync()
+        # Clip at 1.0 on the norm every rank agrees on (DESIGN invariant 2).
+        sq = sum(p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None)
+        norm = float(red.global_grad_norm_sq(sq.reshape(1)).sqrt())
+        if norm > 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / norm)
+        opt.step()
+        red.after_optimizer_step(opt)
+        lv = float(loss.detach())
+        ema = lv if ema is None else 0.9 * ema + 0.1 * lv
+        if (s + 1) % eval_every == 0 and s + 1 < steps:
+            curve.append((s + 1, _agreed_metric(task, model, rank)))
+            t = torch.tensor([ema], dtype=torch.float64)
+            dist.all_reduce(t)
+            train_curve.append((s + 1, float(t) / WORLD))
+    red.reconcile(opt)  # what a checkpoint save does: judge the model a user keeps
+    red.verify_consistency()
+    final = _agreed_metric(task, model, rank)
+    curve.append((steps, final))
+    st = red.stats()
+    red.close()
+    inter = st["total"]["bytes"]["inter"]
+    return {"final": final, "curve": curve, "train_curve": train_curve, "wall_s": time.perf_counter() - t0,
+            "mode": st["mode"], "sync_elements": st["sync_elements"], "local_elements": st["local_elements"],
+            "inter_bytes": sum(inter.values()) + sum(st["total"]["bytes"]["dp"].values()),
+            "drift": {k: st["drift"][k] for k in ("history", "promoted", "max")}}
+
+
+def _rank_main(rank: int, world: int, task_name: str, seed: int, runs: list, params: dict) -> list[dict]:
+    import torch
+    torch.set_num_threads(1)
+    os.environ[HOSTNAME_ENV] = f"node{rank // GROUP}"
+    from topo_integrations.reducer import build_groups, discover_plan
+    groups = build_groups(discover_plan(make_cfg("hierarchical", {})), timeout_s=300)
+    task = make_task(task_name, seed)
+    out = []
+    for name, mode, overrides in runs:
+        r = train_one(rank, task, groups, mode, overrides, seed=seed, **params)
+        out.append({"task": task_name, "seed": seed, "name": name, "configured_mode": mode,
+                    "overrides": overrides, **r})
+    return out
+
+
+def run_grid(task_name: str, seed: int, runs: list, *, steps: int | None = None, timeout: float = 3600) -> list[dict]:
+    from topo_integrations.testing import run_world
+    p = dict(TASKS[task_name])
+    params = {"steps": steps or p["steps"], "eval_every": p["eval_every"], "lr": p["lr"], "warmup": p["warmup"],
+              "micro": p["micro_batch"]}
+    if steps:
+        params["eval_every"] = max(1, steps // 5)
+    res = run_world(WORLD, _rank_main, task_name, seed, runs, params, timeout=timeout,
+                    env={"OMP_NUM_THREADS": "1"})
+    return res[0]
+
+
+# ---------------------------------------------------------------------------- report
+
+def rel_gap(task: str, run: float, ref: float) -> float:
+    """Quality loss vs flat: relative loss increase (gpt) or accuracy drop in points (digits)."""
+    return (run - ref) / ref * 100 if task == "gpt" else (ref - run) * 100
+
+
+def report(results: list[dict], img_dir: Path) -> str:
+    """Markdown tables (and PNG curves into ``img_dir``) of every run, grouped by task."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for task in ("gpt", "digits"):
+        rs = [r for r in results if r["task"] == task]
+        if not rs:
+            continue
+        seeds = sorted({r["seed"] for r in rs})
+        names = list(dict.fromkeys(r["name"] for r in rs))
+        unit = "val loss" if task == "gpt" else "accuracy %"
+        gap = "loss vs flat, %" if task == "gpt" else "accuracy drop vs flat, points"
+        lines += [f"### {task}", "", f"| run | {unit} (per seed) | mean | {gap} | SYNC share | slow-tier payload/step |"
+                  " max drift | wall s |", "|---|---|---|---|---|---|---|---|"]
+        ref = {s: next(r["final"] for r in rs if r["name"] == "flat" and r["seed"] == s) for s in seeds
+               if any(r["name"] == "flat" and r["seed"] == s for r in rs)}
+        for n in names:
+            rr = [r for r in rs if r["name"] == n]
+            scale = 1 if task == "gpt" else 100
+            vals = ", ".join(f"{r['final'] * scale:.4f}" if task == "gpt" else f"{r['final'] * scale:.2f}" for r in rr)
+            mean = statistics.mean(r["final"] for r in rr) * scale
+            gaps = [rel_gap(task, r["final"], ref[r["seed"]]) for r in rr if r["seed"] in ref]
+            g = f"{statistics.mean(gaps):+.2f}" + (f" (±{(max(gaps) - min(gaps)) / 2:.2f})" if len(gaps) > 1 else "")
+            r0 = rr[0]
+            share = r0["sync_elements"] / (r0["sync_elements"] + r0["local_elements"])
+            steps = r0["curve"][-1][0]
+            hist = r0["drift"]["history"]
+            drift = max(h[1] for h in hist) if hist else None
+            lines.append(f"| {n} | {vals} | {mean:.{4 if task == 'gpt' else 2}f} | {g} | {share:.2f} | {r0['inter_bytes'] / steps / 1024:.1f} KiB"
+                         f" | {'' if drift is None else f'{drift:.2e}'} | {statistics.mean(r['wall_s'] for r in rr):.0f} |")
+        lines.append("")
+        # curves: one panel for the mode comparison, one per grid factor
+        panels = {"modes": ["flat", "hierarchical", "selective-default"]}
+        for n in names:
+            key = "corner" if n.startswith("corner") else n.split("=")[0].split("(")[0].split(",")[0]
+            if n not in panels["modes"]:
+                panels.setdefault(key, ["flat", "selective-default"]).append(n)
+        cols = min(4, len(panels))
+        rows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.axis("off")
+        for ax, (title, members) in zip(axes.flat, panels.items()):
+            for n in members:
+                rr = [r for r in rs if r["name"] == n and r["seed"] == seeds[0]]
+                if not rr:
+                    continue
+                xs, ys = zip(*rr[0]["curve"])
+                ys = [y * (1 if task == "gpt" else 100) for y in ys]
+                ax.plot(xs, ys, label=n, lw=1.4 if n != "flat" else 2.4, alpha=0.9)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(unit)
+            ax.legend(fontsize=6)
+            if task == "gpt":
+                ax.set_ylim(top=min(ax.get_ylim()[1], 3.5))
+            else:
+                ax.set_ylim(bottom=max(ax.get_ylim()[0], 80))
+        fig.suptitle(f"{task}: {unit}, seed {seeds[0]}, 4 gloo ranks (2 groups x 2), 2-core CPU", fontsize=10)
+        fig.tight_layout()
+        png = img_dir / f"convergence_{task}.png"
+        fig.savefig(png, dpi=90)
+        plt.close(fig)
+        lines += [f"![{task} curves](img/{png.name})", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
+    ap.add_argument("--grid", default="full", choices=["full", "key", "ci"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
+                    help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")
+    ap.add_argument("--steps", type=int, default=None, help="override the task's step count")
+    ap.add_argument("--out", default="runs/convergence", help="folder for results.json")
+    ap.add_argument("--report", metavar="DIR", nargs="+", help="only write the report of DIR/results.json (merged)")
+    ap.add_argument("--img-dir", default="docs/img")
+    args = ap.parse_args(argv)
+    if args.report:
+        res = [r for d in args.report for r in json.loads((Path(d) / "results.json").read_text())]
+        print(report(res, Path(args.img_dir)))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    jobs = [(t, s, args.grid) for s in args.seeds for t in args.tasks]
+    jobs += [(t, s, "key") for s in args.key_seeds for t in args.tasks]
+    for task, seed, kind in jobs:
+        t0 = time.perf_counter()
+        rs = run_grid(task, seed, grid(kind), steps=args.steps)
+        results += rs
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(f"{task} seed {seed} grid {kind}: {len(rs)} runs in {time.perf_counter() - t0:.0f} s", flush=True)
+        for r in rs:
+            print(f"  {r['name']:<32} {r['final']:.4f}  ({r['wall_s']:.0f} s)", flush=True)
+    print(report(results, Path(args.img_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())
