@@ -91,6 +91,13 @@ def build_parser(load_optional: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--sysfs-root", default=None, metavar="DIR", help="InfiniBand sysfs root (default /sys/class/infiniband)")
     p.add_argument("--min-tier-ratio", type=float, default=1.3, metavar="R", help="tier ratio that counts as different (default 1.3)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="validate a topo_align config (the block, or a DeepSpeed config holding it)")
+    p.add_argument("--probe", action="store_true",
+                   help="run a probe job (torchrun on this host, or --probe-emulate) timing every group's links")
+    p.add_argument("--probe-nproc", type=int, default=2, metavar="N", help="ranks of the local probe job (default 2)")
+    p.add_argument("--probe-emulate", default=None, metavar="TOPO.json",
+                   help="run the probe job on the emulated cluster of this topology file (root)")
 
     for name, (module, help_text) in OPTIONAL_COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
@@ -272,6 +279,19 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if args.sysfs_root and not os.path.isdir(args.sysfs_root):
         raise UsageError(f"--sysfs-root {args.sysfs_root!r}: not a directory")
     findings, ports = run_doctor(os.environ, sysfs_root=root, topo=topo, min_tier_ratio=args.min_tier_ratio)
+    if args.config:  # a bad block is bad input: ConfigError -> exit 2, one line
+        from .config import TopoAlignConfig
+        from .doctor import Finding
+
+        cfg = TopoAlignConfig.from_file(args.config)
+        findings.append(Finding("ok", "config", f"{args.config}: valid topo_align block (mode {cfg.mode!r})"))
+    if args.probe or args.probe_emulate:  # reducer/health.py: group-to-group latency and bandwidth
+        from .doctor import Finding
+        from .reducer.health import check_gpu_links, run_probe_job
+
+        findings += check_gpu_links()
+        res = run_probe_job(nproc=args.probe_nproc, emulate_topology=args.probe_emulate)
+        findings += [Finding(**f) for f in res["findings"]]
     errors = sum(f.level == "error" for f in findings)
     if args.json:
         print(json.dumps({"findings": [f.to_json() for f in findings], "ib_ports": [p.to_json() for p in ports],

@@ -81,7 +81,17 @@ class Wire:
 
     def _timed(self, tier: str, cls: str, nbytes: int, fn, *args, **kw):
         t0 = time.perf_counter()
-        out = fn(*args, **kw)
+        try:
+            out = fn(*args, **kw)
+        except Exception as exc:  # noqa: BLE001 - a failure/timeout names op, group and ranks (DESIGN inv. 5)
+            from ..reducer.collectives import CollectiveError
+
+            g = self.groups
+            raise CollectiveError(
+                f"topo_align: {getattr(fn, '__name__', 'collective')} on the {g.describe(kw.get('group'))} failed "
+                f"after {time.perf_counter() - t0:.1f}s"
+                + (f", timeout {g.timeout_s:g}s" if getattr(g, "timeout_s", None) else "")
+                + f": {type(exc).__name__}: {exc}") from exc
         self.stats.add(tier, cls, nbytes, time.perf_counter() - t0)
         return out
 

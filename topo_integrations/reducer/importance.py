@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["Importance"]
 
@@ -63,7 +64,10 @@ class Importance:
     def hutchinson(self) -> torch.Tensor:
         """mean |v * Hv| per tensor from one Hessian-vector product on the loss closure."""
         params = [p for p in self.params]
-        loss = self.closure()
+        # Fused scaled-dot-product attention kernels (flash, and the CPU one) have no second
+        # derivative; the math kernel does, so the closure runs with it for the HVP.
+        with sdpa_kernel(SDPBackend.MATH):
+            loss = self.closure()
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         used = [i for i, g in enumerate(grads) if g is not None]
         gen = torch.Generator(device="cpu").manual_seed(1234 + self.hutchinson_seed)

@@ -43,6 +43,7 @@ from .classes import LOCAL, SYNC, classify, layer_indices
 from .collectives import agree_scalar, flat_all_reduce, hierarchical_all_reduce, intra_all_reduce
 from .compression import is_lossy, wire_dtype
 from .groups import ReducerGroups, build_groups, discover_plan
+from .drift import DriftMonitor
 from .importance import Importance
 from .stats import Stats
 
@@ -129,6 +130,10 @@ class GroupedReducer:
         self._local_dtype = wire_dtype(cfg.local.dtype)
         self._bucket_numel = max(1, int(comm.bucket_size_mb * 1024 * 1024) // 4)
         self._H = cfg.local.reconcile_interval
+        self._numels = {n: p.numel() for n, p in self._named}
+        # Drift of LOCAL replicas at each reconciliation (reducer/drift.py); promotions are applied by
+        # _classify, so they survive class refreshes.
+        self._drift = DriftMonitor(cfg.local.promote_drift_fraction, sum(self._numels.values()))
 
         # Classes (agreed scores), buckets, hooks.
         self._layers = layer_indices(self._names, model=model, layer_pattern=cfg.sync.layer_pattern)
@@ -161,6 +166,12 @@ class GroupedReducer:
         if register_hooks:
             for n, p in self._named:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(n)))
+        # Degradation handling (reducer/adaptive.py): checks every adaptive.check_interval steps.
+        self.adaptive = None
+        if cfg.adaptive.enabled:
+            from .adaptive import AdaptiveController
+
+            self.adaptive = AdaptiveController(self)
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -219,9 +230,10 @@ class GroupedReducer:
 
     def _classify(self, scores: list[float]) -> dict[str, str]:
         c = self.cfg.sync
-        return classify(self._names, [p.numel() for _, p in self._named], last_n_layers=c.last_n_layers,
+        return self._drift.apply(classify(
+                        self._names, [p.numel() for _, p in self._named], last_n_layers=c.last_n_layers,
                         always_sync=list(c.always_sync), top_fraction=c.top_fraction, scores=scores,
-                        layers=self._layers)
+                        layers=self._layers))
 
     def _build_buckets(self) -> None:
         self._buckets = build_buckets(self._named, self._classes, bucket_numel=self._bucket_numel,
@@ -397,13 +409,16 @@ class GroupedReducer:
             self._all_synced = not self._has_local()
             if self.step % self._H == 0:
                 refresh = self.step - self._last_refresh >= self.cfg.importance.refresh_interval
-                if refresh or not self.cfg.local.async_reconcile:
+                if (refresh or not self.cfg.local.async_reconcile
+                        or self._drift.wants_blocking(self._classes, self._numels)):
                     self._reconcile_blocking(optimizer)
                 else:
                     self._reconcile_async(optimizer)
                 if refresh:
                     self._refresh_classes()
         self.stats_.end_step()
+        if self.adaptive is not None:
+            self.adaptive.after_step(optimizer)
 
     def _has_local(self) -> bool:
         return any(c == LOCAL for c in self._classes.values())
@@ -416,10 +431,17 @@ class GroupedReducer:
         tensors = rec.resolve(keys, self._params, optimizer)
         if tensors:
             flat = rec.gather_flat(tensors).to(self.device)
+            before = flat.clone()
             self._wait(self._submit(LOCAL, lambda: rec.average_flat(flat, self.groups, chunk_numel=self._bucket_numel,
                                                                     record=self._rec["reconcile"])))
             rec.scatter_flat(flat, tensors)
+            self._drift.measure(keys, before, flat, self._numels, self.groups, self.step, record=self._rec["control"])
         self._all_synced = True
+        # Every replica is identical now: the only moment a LOCAL tensor may become SYNC.
+        promoted = self._drift.promotions(self._classes, self._numels)
+        if promoted:
+            self._classes = {n: (SYNC if n in promoted else c) for n, c in self._classes.items()}
+            self._build_buckets()
 
     def _reconcile_async(self, optimizer) -> None:
         keys = rec.keys_for(self._local_names(), self._params, optimizer)
@@ -440,6 +462,8 @@ class GroupedReducer:
             self._wait(p["future"])
         tensors = rec.resolve(p["keys"], self._params, optimizer)
         rec.scatter_flat(p["avg"], tensors, delta_from=p["snap"], nonneg=rec.nonnegative(p["keys"]))
+        self._drift.measure(p["keys"], p["snap"], p["avg"], self._numels, self.groups, p["step"],
+                            record=self._rec["control"])
         self.max_staleness = max(self.max_staleness, self.step - p["step"])
 
     def reconcile(self, optimizer=None, blocking: bool = True) -> None:
@@ -523,6 +547,7 @@ class GroupedReducer:
             "all_synced": self._all_synced, "classes": dict(self._classes), "layout": self._layout(),
             "residuals": res, "importance": self.importance.state_dict(), "pending": pend,
             "max_staleness": self.max_staleness, "stats": self.stats_.state_dict(),
+            "drift": self._drift.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -557,6 +582,7 @@ class GroupedReducer:
             "keys": [tuple(k) for k in p["keys"]], "snap": p["snap"].to(self.device),
             "avg": p["avg"].to(self.device), "future": None, "step": int(p["step"])}
         self.stats_.load_state_dict(sd["stats"])
+        self._drift.load_state_dict(sd.get("drift"))
 
     def stats(self) -> dict:
         """Bytes, calls and seconds per tier and class (last step and total) plus the current classes."""
@@ -571,6 +597,7 @@ class GroupedReducer:
             "buckets": {c.lower(): [b.numel for b in self._buckets[c]] for c in (SYNC, LOCAL)},
             "intra_size": self.groups.intra_size, "inter_size": self.groups.inter_size,
             "max_staleness": self.max_staleness, "launched_from_hooks": self.launched_from_hooks,
+            "drift": self._drift.as_dict(),
         })
         return out
 

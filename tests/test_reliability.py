@@ -1,0 +1,337 @@
+"""Reliability (issue 9) without the emulator: the adaptation policy, switching levels on a live
+4-rank world (invariants at every level), health probes, the probe's timeout naming, and the
+restart recipe (torchrun --max-restarts + --resume) with an injected stall.
+
+The acceptance runs with real slow and cut links are in test_reliability_emulated.py.
+Budget: ~60 s on the 2-core machine (one 4-rank world, two torchrun jobs).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from topo_integrations.config import AdaptiveConfig
+from topo_integrations.reducer.adaptive import AdaptivePolicy, Measurement
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "test_reliability_emulated.py")
+
+
+# ---------------------------------------------------------------------------- the policy (pure)
+
+def _m(bw, step_s=1.0, probe=None):
+    return Measurement(inter_gbps=bw, probe_gbps=probe, step_s=step_s, steps=1)
+
+
+def _policy(window=2, factor=3.0, levels=("normal", "reconcile", "fp16", "flat")):
+    return AdaptivePolicy(AdaptiveConfig(enabled=True, check_interval=1, window=window, slowdown_factor=factor),
+                          levels)
+
+
+def test_policy_calibrates_escalates_within_window_and_recovers():
+    p = _policy()
+    for bw in (1.0, 1.2):  # calibration: median reference 1.1, probe reference 2.0
+        assert p.decide(_m(bw, probe=2.0)) == (0, "")
+    assert p.reference == pytest.approx(1.1) and p.probe_reference == 2.0
+    assert p.decide(_m(0.5))[0] == 0  # 2.2x: below the factor, nothing
+    assert p.decide(_m(0.3))[0] == 0  # degraded 1 of 2
+    lvl, why = p.decide(_m(0.3))
+    assert lvl == 1 and why.startswith("inter tier degraded over 2 checks: inter tier 0.3 GB/s vs reference 1.1 GB/s "
+                                       "(3.67x slower), 1000.0 ms per step")
+    p.level = lvl
+    p.decide(_m(0.3))
+    assert p.decide(_m(0.3))[0] == 2
+    p.level = 2
+    # an in-between value (within factor but outside the sqrt(factor) band) resets both runs: no flapping
+    p.decide(_m(0.3))
+    p.decide(_m(0.5))
+    assert p.decide(_m(0.3))[0] == 2
+    assert p.decide(_m(1.0))[0] == 2
+    lvl, why = p.decide(_m(1.0))
+    assert lvl == 0 and why.startswith("link recovered over 2 checks: inter tier 1 GB/s vs reference 1.1 GB/s")
+
+
+def test_policy_keeps_flat_only_when_faster():
+    p = _policy(window=1, levels=("normal", "fp16", "flat"))
+    p.decide(_m(1.0, probe=1.0))
+    p.level = p.decide(_m(0.1, step_s=2.0))[0]
+    assert p.name == "fp16"
+    lvl, _ = p.decide(_m(0.1, step_s=1.0))  # still degraded at fp16 -> try flat
+    assert p.available[lvl] == "flat" and p.flat_trial_from == 1
+    p.level = lvl
+    lvl, why = p.decide(_m(None, step_s=1.5, probe=0.1))  # flat measured slower: back, and not again
+    assert lvl == 1 and why == "flat is not faster: 1500.0 ms per step in flat vs 1000.0 ms at level 'fp16'; going back"
+    p.level = lvl
+    assert p.decide(_m(0.1, step_s=1.0))[0] == 1 and p.flat_rejected
+    # the other way: flat is faster -> kept; recovery is then judged by the rail probe
+    q = _policy(window=1, levels=("normal", "flat"))
+    q.decide(_m(1.0, probe=1.0))
+    q.level = q.decide(_m(0.1, step_s=2.0))[0]
+    assert q.name == "flat"
+    assert q.decide(_m(None, step_s=1.0, probe=0.1)) == (1, "")
+    lvl, why = q.decide(_m(None, step_s=1.0, probe=0.9))
+    assert lvl == 0 and "rail probe 0.9 GB/s vs reference 1 GB/s" in why
+
+
+def test_check_probe_names_the_slow_group():
+    from topo_integrations.reducer.health import ProbeResult, check_probe
+    from topo_integrations.topology import plan_groups
+    from topo_integrations.topology.file_source import load_topology_file
+
+    plan = plan_groups(load_topology_file(ROOT / "configs" / "topologies" / "virtual-2x2.json"))
+
+    def row(rank, intra, rail, bw):
+        return {"rank": rank, "intra": {"ranks": intra, "latency_us": 50.0, "busbw_gbps": 0.5},
+                "inter": {"ranks": rail, "latency_us": 500.0, "busbw_gbps": bw}}
+
+    res = ProbeResult(1 << 20, [row(0, [0, 1], [0, 2], 0.0125), row(1, [0, 1], [1, 3], 0.001),
+                                row(2, [2, 3], [0, 2], 0.0125), row(3, [2, 3], [1, 3], 0.001)])
+    f = {x.what: x for x in check_probe(res, plan)}
+    assert f["inter group (global ranks 0, 2)"].level == "ok"
+    bad = f["inter group (global ranks 1, 3)"]
+    assert bad.level == "warn" and "below its tier 'leaf' (0.0125 GB/s planned, 12.5x slower)" in bad.detail
+    assert f["intra group (global ranks 0, 1)"].level == "ok"
+
+
+# ---------------------------------------------------------------------------- one 4-rank world
+
+def _world(rank, world_size):
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from topo_integrations import GroupedReducer, TopoAlignConfig
+    from topo_integrations.reducer import CollectiveError
+    from topo_integrations.reducer.health import probe_groups, start_of_run_check
+
+    os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # 2 nodes x 2 ranks
+    logging.getLogger("topo_align").setLevel(logging.ERROR)
+    res: dict = {}
+    cfg = TopoAlignConfig.model_validate({
+        "mode": "selective", "fallback": {"timeout_s": 8.0},
+        "sync": {"last_n_layers": 1, "top_fraction": 0.2, "always_sync": []},
+        "local": {"reconcile_interval": 2, "async_reconcile": False, "dtype": "fp16"},
+        "communication": {"bucket_size_mb": 0.05},
+        "adaptive": {"enabled": True, "check_interval": 1000}})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    red = GroupedReducer(model, cfg)
+    ctrl = red.adaptive
+    res["levels"] = list(ctrl.policy.available)
+    names = [n for n, _ in model.named_parameters()]
+
+    def step(i):
+        g = torch.Generator().manual_seed(100 * i + rank)
+        x = torch.randn(8, 16, generator=g)
+        loss = (model(x) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        local = [p.grad.detach().clone() for p in model.parameters()]
+        red.finish_grad_sync()
+        ref = [t.clone() for t in local]
+        for t in ref:
+            dist.all_reduce(t)
+            t.div_(world_size)
+        err = {}
+        for n, p, r in zip(names, model.parameters(), ref):
+            err[n] = float((p.grad - r).norm() / r.norm().clamp_min(1e-30))
+        opt.step()
+        red.after_optimizer_step(opt)
+        red.verify_consistency()  # raises ConsistencyError on a broken invariant
+        return err
+
+    def go(new):
+        old = ctrl.policy.level
+        ctrl.policy.level = new
+        ctrl._apply(old, new, opt)
+
+    i = 0
+    out = []
+    for level in (0, 1, 2, 3, 0):
+        go(level)
+        rec = {"level": ctrl.level, "mode": red.mode, "H": red._H, "inter_dtype": str(red._inter_dtype),
+               "sync_residuals": sum(b.residual is not None for b in red._buckets["SYNC"]), "errs": []}
+        if red.mode == "flat":  # entering flat reconciled: every parameter identical on all ranks
+            h = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            allh = [torch.empty_like(h) for _ in range(world_size)]
+            dist.all_gather(allh, h)
+            rec["identical"] = all(torch.equal(allh[0], x) for x in allh)
+        for _ in range(4):
+            i += 1
+            rec["errs"].append(step(i))
+        out.append(rec)
+    res["runs"] = out
+    res["classes"] = red.classify()
+    # health: probes of every group, gathered; the start-of-run check
+    pr = probe_groups(red.groups, nbytes=64 * 1024, iters=2)
+    res["probe_rows"] = pr.rows
+    res["findings"] = [(f.level, f.what) for f in start_of_run_check(red.groups, sysfs_root="/nonexistent",
+                                                                     nbytes=64 * 1024)]
+    # adaptive regrouping: rank 0's plan (islands {0, 2}, {1, 3}) wins, every rank rebuilds the groups
+    from topo_integrations.reducer.adaptive import regroup
+    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.topology import plan_groups
+
+    theirs = plan_groups(gather_hostnames_topology(["a", "b", "a", "b"]))
+    bogus = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))  # only rank 0's plan counts
+    regroup(red, theirs if rank == 0 else bogus, opt, reason="test")
+    res["regrouped"] = {"intra": list(red.groups.intra_ranks), "inter": list(red.groups.inter_ranks),
+                        "mode": red.mode, "errs": [step(i + k) for k in (1, 2, 3)]}
+    # a rank that never joins the probe: its rail partner gets the named error after the timeout
+    if rank == 3:
+        res["probe_error"] = None
+    else:
+        try:
+            ctrl._probe()
+            res["probe_error"] = None
+        except CollectiveError as exc:
+            res["probe_error"] = str(exc)
+    return res
+
+
+@pytest.fixture(scope="module")
+def world():
+    from topo_integrations.testing import run_world
+
+    return run_world(4, _world, timeout=240)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_levels_switch_consistently_and_keep_invariants(world):
+    r0 = world[0]
+    assert r0["levels"] == ["normal", "reconcile", "fp16", "flat"]
+    runs = r0["runs"]
+    assert [(x["level"], x["mode"], x["H"], x["inter_dtype"]) for x in runs] == [
+        ("normal", "selective", 2, "torch.float32"), ("reconcile", "selective", 8, "torch.float32"),
+        ("fp16", "selective", 8, "torch.float16"), ("flat", "flat", 8, "torch.float16"),
+        ("normal", "selective", 2, "torch.float32")]
+    assert [x["sync_residuals"] > 0 for x in runs] == [False, False, True, False, False]
+    assert runs[3]["identical"]
+    sync = [n for n, c in r0["classes"].items() if c == "SYNC"]
+    local = [n for n, c in r0["classes"].items() if c == "LOCAL"]
+    assert sync and local
+    for x in runs:
+        for e in x["errs"]:
+            if x["mode"] == "flat":  # every gradient is the global mean
+                assert max(e.values()) <= 1e-6, e
+            elif x["level"] == "fp16":  # SYNC through the FP16 grid: close to the mean
+                assert max(e[n] for n in sync) <= 2e-2, e
+            else:  # fp32 SYNC wire: exact up to rounding
+                assert max(e[n] for n in sync) <= 1e-6, e
+    # every rank agreed on every level (verify_consistency passed on every step on every rank)
+    assert all([(x["level"], x["mode"], x["H"]) for x in w["runs"]] == [(x["level"], x["mode"], x["H"]) for x in runs]
+               for w in world)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_probes_gather_every_group(world):
+    rows = world[0]["probe_rows"]
+    assert all(w["probe_rows"] == rows for w in world) and [r["rank"] for r in rows] == [0, 1, 2, 3]
+    assert [(r["intra"]["ranks"], r["inter"]["ranks"]) for r in rows] == [
+        ([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+    assert all(r["intra"]["busbw_gbps"] > 0 and r["inter"]["busbw_gbps"] > 0 and r["inter"]["latency_us"] > 0
+               for r in rows)
+    whats = [w for _, w in world[0]["findings"]]
+    assert "infiniband" in whats and "gpu links" in whats
+    assert "inter group (global ranks 0, 2)" in whats and "intra group (global ranks 2, 3)" in whats
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_probe_timeout_names_operation_group_and_ranks(world):
+    # after the regrouping the rails are (0, 1) and (2, 3)
+    assert world[0]["probe_error"] is None and world[1]["probe_error"] is None  # their rail was complete
+    msg = world[2]["probe_error"]
+    assert msg is not None
+    assert msg.startswith("topo_align: all_reduce(probe) on the inter_low group (global ranks 2, 3) failed after ")
+    assert ", timeout 8s (this is global rank 2): " in msg
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_regroup_agrees_on_rank0_plan_and_stays_exact(world):
+    got = [w["regrouped"] for w in world]
+    assert [(g["intra"], g["inter"]) for g in got] == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]),
+                                                       ([1, 3], [2, 3])]
+    sync = [n for n, c in world[0]["classes"].items() if c == "SYNC"]
+    for g in got:
+        assert g["mode"] == "selective"
+        for e in g["errs"]:  # SYNC gradients still equal the global mean; verify_consistency passed
+            assert max(e[n] for n in sync) <= 1e-6, e
+
+
+def test_choose_plan_prefers_the_grouping_that_avoids_the_slow_tier():
+    from topo_integrations.reducer.adaptive import choose_plan
+    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.topology import plan_groups
+
+    by_host = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))
+    flat = plan_groups(gather_hostnames_topology(["a", "b", "c", "d"]))
+    best, est = choose_plan({"by-host": by_host, "flat": flat}, 4e6, {"by-host": (1.0, 0.01), "flat": (0.01, 0.01)})
+    assert best == "by-host" and est["by-host"] < est["flat"]
+    # a congested intra tier (e.g. a bad NVLink) makes flat the better choice
+    best, _ = choose_plan({"by-host": by_host, "flat": flat}, 4e6, {"by-host": (0.001, 0.01), "flat": (0.01, 0.01)})
+    assert best == "flat"
+
+
+# ---------------------------------------------------------------------------- the restart recipe
+
+def _torchrun(out: Path, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TOPO_ALIGN_HOSTNAME", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), WORKER, "--out", str(out), "--steps", "8", "--save-every", "2",
+           "--timeout-s", "4", "--mode", "flat", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env, cwd=ROOT)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(420)
+def test_torchrun_max_restarts_resumes_from_last_checkpoint(tmp_path):
+    import torch
+
+    # restarts also absorb a gloo start-up flake (connectFullMesh refused) seen on the loaded machine
+    ref = _torchrun(tmp_path / "ref", restarts=2)
+    assert ref.returncode == 0, [ln for ln in ref.stderr.splitlines() if "Error" in ln or "error" in ln][:20]
+    # rank 1 stalls once at step 5 (after the step-4 checkpoint): rank 0's collective times out
+    # after 4 s with the named error, the worker exits 3, torchrun restarts both, --resume continues.
+    run = _torchrun(tmp_path / "cut", "--resume", "--fail-once-at", "5", restarts=3)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "CollectiveError: topo_align: all_reduce on the data-parallel group (global ranks 0, 1) failed after" in log
+    assert "timeout 4s" in log and "resumed from step 4" in log
+    a, b = torch.load(tmp_path / "ref" / "final.pt"), torch.load(tmp_path / "cut" / "final.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_deepspeed_wire_failures_name_op_group_and_ranks():
+    """The DeepSpeed adapter's own collectives (deepspeed/wire.py) raise the same named error."""
+    from topo_integrations.deepspeed.wire import Wire, WireStats
+    from topo_integrations.reducer import CollectiveError
+    from topo_integrations.reducer.groups import ReducerGroups
+    from topo_integrations.topology import plan_groups
+    from topo_integrations.reducer.groups import gather_hostnames_topology
+
+    rail = object()
+    g = ReducerGroups(plan=plan_groups(gather_hostnames_topology(["a", "a", "b", "b"])), dp_ranks=(0, 1, 2, 3),
+                      dp_group=None, position=0, intra=None, inter=rail, intra_low=None, inter_low=None,
+                      timeout_s=10.0, names={id(rail): "inter group (global ranks 0, 2)"})
+    w = Wire.__new__(Wire)  # no DeepSpeed import needed for the bookkeeping
+    w.groups, w.stats = g, WireStats()
+
+    def all_reduce(t, group=None):
+        raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+
+    with pytest.raises(CollectiveError, match=r"^topo_align: all_reduce on the inter group \(global ranks 0, 2\) "
+                                              r"failed after 0\.0s, timeout 10s: RuntimeError: Timed out waiting"):
+        w._timed("inter", "sync", 4, all_reduce, None, group=rail)

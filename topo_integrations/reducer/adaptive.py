@@ -1,0 +1,367 @@
+"""Degradation: adapt the reducer to a slow inter-group tier, in steps every rank agrees on.
+
+Every ``adaptive.check_interval`` optimizer steps the controller measures (from the reducer's own
+stats) the bytes and seconds of the inter tier since the last check, plus the wall time per step,
+and decides whether the slow tier is *degraded*: its achieved bandwidth is ``slowdown_factor``
+times below the reference. The reference is ``planned_inter_gbps`` when given, else the median
+bandwidth achieved during the first ``window`` checks (calibration): the planner's GB/s figures are
+nominal, and the wall time of a collective includes waiting for peers, so only a measured number is
+comparable with a measured number.
+
+Levels, escalated one at a time after ``window`` consecutive degraded checks (skipping those that
+do not apply to the mode):
+
+  0 ``normal``     as configured;
+  1 ``reconcile``  `selective` only: reconcile every ``reconcile_factor`` x ``local.reconcile_interval``
+                   steps (less LOCAL traffic on the slow tier; staleness bound grows with it);
+  2 ``fp16``       the inter-group wire (``sync.dtype`` / ``communication.inter_dtype``) becomes FP16
+                   with error feedback (half the bytes on the slow tier);
+  3 ``flat``       one all-reduce over the data-parallel group, kept only where it is *measured*
+                   faster: the controller runs flat for one check interval and keeps it when the wall
+                   time per step is lower than at the level before, else goes back and does not try
+                   flat again until the link recovers.
+
+In `flat` the inter tier carries no reducer traffic, so the link is watched with a small probe
+(an all-reduce of ``probe_bytes`` over the rail) compared with the probe's own calibration value.
+After ``window`` consecutive *recovered* checks (bandwidth within ``sqrt(slowdown_factor)`` of the
+reference: a hysteresis band, so a link at the threshold does not flap) the controller returns to
+``normal``. Every change is logged (logger ``topo_align``, on DP position 0) with the numbers that
+caused it, and recorded in :attr:`AdaptiveController.events`.
+
+Agreement (each check): 1. every rank builds its measurement vector; 2. one SUM all-reduce over the
+DP group (every rank then holds the same means); 3. every rank runs the same deterministic policy;
+4. DP position 0 broadcasts the chosen level, which every rank applies (the broadcast makes the
+decision authoritative even if floating-point results ever differed). Changes happen right after
+an optimizer step, when no bucket is in flight; entering `flat` from `selective` first reconciles
+(blocking), so every replica is identical before one all-reduce keeps them so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config import AdaptiveConfig
+from .classes import SYNC
+from .collectives import _run, agree_scalar
+from .compression import wire_dtype
+
+__all__ = ["AdaptiveController", "AdaptivePolicy", "Measurement", "LEVELS", "regroup", "choose_plan",
+           "estimate_step_comm_s"]
+
+log = logging.getLogger("topo_align")
+
+LEVELS = ("normal", "reconcile", "fp16", "flat")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one check saw, averaged over the DP group."""
+
+    inter_gbps: float | None
+    """Achieved inter-tier bandwidth (payload GB/s per rank) since the last check; None when the
+    inter tier carried no reducer traffic (e.g. in `flat`)."""
+    probe_gbps: float | None
+    """Bandwidth of the rail probe, when one ran."""
+    step_s: float
+    """Wall time per optimizer step since the last check."""
+    steps: int
+
+
+@dataclass
+class AdaptivePolicy:
+    """The deterministic decision rule (no communication; unit-testable). See the module docstring."""
+
+    cfg: AdaptiveConfig
+    available: tuple[str, ...]
+    """Levels that apply to this reducer, in order; always starts with ``normal``."""
+    planned_inter_gbps: float | None = None
+    level: int = 0
+    reference: float | None = None
+    probe_reference: float | None = None
+    calibration: list = field(default_factory=list)
+    degraded_run: int = 0
+    recovered_run: int = 0
+    flat_trial_from: int | None = None
+    """Level we left to try flat (flat is kept only when faster)."""
+    flat_rejected: bool = False
+    last_step_s: dict = field(default_factory=dict)
+    """Wall time per step last measured at each level."""
+
+    def __post_init__(self) -> None:
+        if self.planned_inter_gbps is not None:
+            self.reference = float(self.planned_inter_gbps)
+
+    @property
+    def name(self) -> str:
+        return self.available[self.level]
+
+    @property
+    def calibrating(self) -> bool:
+        return self.reference is None or self.probe_reference is None
+
+    def wants_probe(self) -> bool:
+        return self.probe_reference is None or self.name == "flat"
+
+    def decide(self, m: Measurement) -> tuple[int, str]:
+        """New level index and the reason (empty when unchanged)."""
+        self.last_step_s[self.level] = m.step_s
+        if self.calibrating:
+            self.calibration.append(m)
+            if len(self.calibration) >= self.cfg.window:
+                if self.reference is None:
+                    vals = [c.inter_gbps for c in self.calibration if c.inter_gbps]
+                    self.reference = statistics.median(vals) if vals else None
+                probes = [c.probe_gbps for c in self.calibration if c.probe_gbps]
+                self.probe_reference = statistics.median(probes) if probes else None
+                if self.reference is None or self.probe_reference is None:
+                    self.calibration.clear()  # nothing measured yet (e.g. no inter traffic): keep calibrating
+            return self.level, ""
+        # The flat trial: keep flat only when it is faster than the level we came from.
+        if self.flat_trial_from is not None:
+            before = self.last_step_s.get(self.flat_trial_from)
+            prev = self.flat_trial_from
+            self.flat_trial_from = None
+            if before is not None and m.step_s >= before:
+                self.flat_rejected = True
+                self.degraded_run = 0
+                return prev, (f"flat is not faster: {m.step_s * 1e3:.1f} ms per step in flat vs "
+                              f"{before * 1e3:.1f} ms at level {self.available[prev]!r}; going back")
+        if self.name == "flat":
+            bw, ref, what = m.probe_gbps, self.probe_reference, "rail probe"
+        else:
+            bw, ref, what = m.inter_gbps, self.reference, "inter tier"
+        if not bw or not ref:
+            return self.level, ""
+        ratio = ref / bw
+        numbers = (f"{what} {bw:.4g} GB/s vs reference {ref:.4g} GB/s ({ratio:.2f}x slower), "
+                   f"{m.step_s * 1e3:.1f} ms per step")
+        f = self.cfg.slowdown_factor
+        if ratio >= f:
+            self.degraded_run += 1
+            self.recovered_run = 0
+        elif ratio < math.sqrt(f):
+            self.recovered_run += 1
+            self.degraded_run = 0
+        else:
+            self.degraded_run = self.recovered_run = 0
+        if self.recovered_run >= self.cfg.window and self.level > 0:
+            self.recovered_run = 0
+            self.flat_rejected = False
+            return 0, f"link recovered over {self.cfg.window} checks: {numbers}"
+        if self.degraded_run >= self.cfg.window:
+            self.degraded_run = 0
+            nxt = self.level + 1
+            if nxt < len(self.available) and self.available[nxt] == "flat":
+                if self.flat_rejected:
+                    return self.level, ""
+                self.flat_trial_from = self.level
+            if nxt < len(self.available):
+                return nxt, f"inter tier degraded over {self.cfg.window} checks: {numbers}"
+        return self.level, ""
+
+
+class AdaptiveController:
+    """Watches a :class:`GroupedReducer` and changes its level (see module docstring).
+
+    The reducer calls :meth:`after_step` at the end of every ``after_optimizer_step``.
+    """
+
+    def __init__(self, reducer, cfg: AdaptiveConfig | None = None, *, planned_inter_gbps: float | None = None,
+                 reconcile_factor: int = 4, probe_bytes: int = 256 * 1024):
+        self.reducer = reducer
+        self.cfg = cfg or reducer.cfg.adaptive
+        self.reconcile_factor = int(reconcile_factor)
+        self.probe_numel = max(1, int(probe_bytes) // 4)
+        self.base_mode = reducer.mode
+        self.base_H = reducer._H
+        self.base_inter_dtype = reducer._inter_dtype
+        g = reducer.groups
+        avail = ["normal"]
+        if g.inter is not None and g.inter_size > 1 and self.base_mode != "flat":
+            if self.base_mode == "selective" and reducer._has_local():
+                avail.append("reconcile")
+            if self.base_inter_dtype != torch.float16:
+                avail.append("fp16")
+            avail.append("flat")
+        self.active = len(avail) > 1
+        self.policy = AdaptivePolicy(self.cfg, tuple(avail), planned_inter_gbps=planned_inter_gbps)
+        self._saved_classes: dict = {}
+        self.events: list[dict] = []
+        """Every change: step, from, to, reason, and the measurement."""
+        self.checks: list[dict] = []
+        """Every check: step, level, measurement (for tests and plots)."""
+        self._last_total = self._inter_totals()
+        self._last_t = time.perf_counter()
+        self._last_step = reducer.step
+        if not self.active:
+            log.info("topo_align: adaptive: nothing to adapt (mode %r, %d groups)", self.base_mode, g.inter_size)
+
+    @property
+    def level(self) -> str:
+        return self.policy.name
+
+    def _inter_totals(self) -> tuple[float, float]:
+        tot = self.reducer.stats_.as_dict()["total"]
+        b = sum(tot["bytes"]["inter"][c] for c in ("sync", "local", "reconcile"))
+        s = sum(tot["seconds"]["inter"][c] for c in ("sync", "local", "reconcile"))
+        return float(b), float(s)
+
+    def _probe(self) -> float:
+        """Seconds of one all-reduce of ``probe_numel`` fp32 over my rail (timed, error-wrapped)."""
+        g = self.reducer.groups
+        t = torch.ones(self.probe_numel, device=self.reducer.device)
+        t0 = time.perf_counter()
+        _run("all_reduce(probe)", "inter", g.inter_low, g, t.numel() * 4, None,
+             lambda: dist.all_reduce(t, group=g.inter_low))
+        return time.perf_counter() - t0
+
+    def after_step(self, optimizer=None) -> None:
+        """Measure and decide every ``check_interval`` steps (collective over the DP group then)."""
+        r = self.reducer
+        if not self.active or r.step % self.cfg.check_interval != 0:
+            return
+        now = time.perf_counter()
+        b, s = self._inter_totals()
+        db, ds = b - self._last_total[0], s - self._last_total[1]
+        steps = max(1, r.step - self._last_step)
+        step_s = (now - self._last_t) / steps
+        probe_s = self._probe() if self.policy.wants_probe() else 0.0
+        # Phase 1-2: one SUM all-reduce of [bytes, seconds, step seconds, probe seconds].
+        vec = torch.tensor([db, ds, step_s, probe_s], dtype=torch.float64, device=r.device)
+        tot = agree_scalar(vec, r.groups, "sum", record=r._rec["control"]).cpu().tolist()
+        n = r.groups.dp_size
+        m = Measurement(
+            inter_gbps=(tot[0] / tot[1] / 1e9) if tot[0] > 0 and tot[1] > 0 else None,
+            probe_gbps=(self.probe_numel * 4 * n / tot[3] / 1e9) if tot[3] > 0 else None,
+            step_s=tot[2] / n, steps=steps)
+        old = self.policy.level
+        # Phase 3: the policy; phase 4: position 0's choice is broadcast.
+        new, reason = self.policy.decide(m)
+        choice = torch.tensor([new], dtype=torch.int64, device=r.device)
+        if n > 1:
+            g = r.groups
+            _run("broadcast(adaptive level)", "dp", g.dp_group, g, 8, None,
+                 lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group))
+        new = int(choice.item())
+        self.policy.level = new
+        self.checks.append({"step": r.step, "level": self.policy.available[new], "measurement": m.__dict__})
+        if new != old:
+            self._apply(old, new, optimizer)
+            ev = {"step": r.step, "from": self.policy.available[old], "to": self.policy.available[new],
+                  "reason": reason, "measurement": dict(m.__dict__)}
+            self.events.append(ev)
+            if r.groups.position == 0:
+                log.warning("topo_align: adaptive: step %d: %s -> %s: %s", r.step, ev["from"], ev["to"], reason)
+        # Measure the next window from here (after the probe and any reconciliation made by _apply).
+        self._last_total = self._inter_totals()
+        self._last_t = time.perf_counter()
+        self._last_step = r.step
+
+    # ------------------------------------------------------------------ applying a level
+
+    def _apply(self, old: int, new: int, optimizer) -> None:
+        av = self.policy.available
+        want = set(av[1:new + 1])  # every level up to `new` is in effect (they accumulate)
+        r = self.reducer
+        if "flat" in want and r.mode != "flat":
+            if r.mode == "selective":
+                r.reconcile(optimizer)  # blocking: replicas identical before one all-reduce keeps them so
+            r.mode = "flat"
+            # Flat is one class: every bucket on the SYNC worker, so the DP-group all-reduces are issued
+            # in one order on every rank (two workers on one group could interleave differently).
+            self._saved_classes = dict(r._classes)
+            r._classes = {n: SYNC for n in r._classes}
+            r._build_buckets()
+        elif "flat" not in want and r.mode != self.base_mode:
+            r.mode = self.base_mode
+            r._classes = self._saved_classes
+            r._build_buckets()  # fresh residuals for the configured wires
+        r._H = self.base_H * self.reconcile_factor if "reconcile" in want else self.base_H
+        dtype = torch.float16 if "fp16" in want else self.base_inter_dtype
+        if dtype != r._inter_dtype:
+            r._inter_dtype = dtype
+            # SYNC residuals follow the wire: created for FP16, dropped when going back (at most one
+            # rounding step of each is lost).
+            for b in r._buckets[SYNC]:
+                b.residual = r._new_residual(b)
+
+    def state_dict(self) -> dict:
+        p = self.policy
+        return {"level": p.level, "reference": p.reference, "probe_reference": p.probe_reference,
+                "flat_rejected": p.flat_rejected, "events": list(self.events)}
+
+
+# ---------------------------------------------------------------------- adaptive regrouping
+
+def estimate_step_comm_s(plan, nbytes: float, intra_gbps: float, inter_gbps: float) -> float:
+    """Alpha-free estimate of one hierarchical all-reduce of ``nbytes`` under ``plan`` with measured
+    per-rank bus bandwidths: intra reduce-scatter + all-gather (2(L-1)/L of the bytes) plus the rail
+    all-reduce of the 1/L shard (2(K-1)/K of it). A flat plan: one ring over all ranks at the
+    slower bandwidth."""
+    if not plan.hierarchical:
+        n = plan.world_size
+        return 2 * (n - 1) / n * nbytes / (min(intra_gbps, inter_gbps) * 1e9)
+    L, K = len(plan.intra_groups[0]), len(plan.inter_groups)
+    return (2 * (L - 1) / L * nbytes / (intra_gbps * 1e9)
+            + 2 * (K - 1) / K * nbytes / L / (inter_gbps * 1e9))
+
+
+def choose_plan(candidates: dict, nbytes: float, measured: dict) -> tuple[str, dict]:
+    """The candidate (name -> Plan) with the lowest estimated time; ``measured`` maps name ->
+    ``(intra_gbps, inter_gbps)`` as probed (or derated) for that grouping. Returns the name and every
+    estimate (deterministic: ties go to the first name in sorted order)."""
+    est = {k: estimate_step_comm_s(p, nbytes, *measured[k]) for k, p in candidates.items()}
+    best = min(sorted(est), key=lambda k: est[k])
+    return best, est
+
+
+def regroup(reducer, plan, optimizer=None, *, reason: str = "") -> None:
+    """Rebuild ``reducer``'s groups from ``plan`` at a reconciliation boundary; every rank agrees.
+
+    Collective over the default group (every rank of the job calls it, at the same step):
+      1. blocking reconciliation (`selective`): every replica identical, nothing in flight;
+      2. DP position 0's plan is broadcast over the DP group (the one every rank uses);
+      3. ``build_groups`` on every rank, in one fixed order (same timeout as before);
+      4. the reducer switches to the new groups: mode (flat when the new plan has one tier), buckets
+         padded for the new intra size, error-feedback residuals restarted; the adaptive controller
+         re-calibrates.
+    The old groups are not destroyed (a live communicator may still be referenced by a framework).
+    Only a reducer whose data-parallel group is the whole world can be regrouped here.
+    """
+    from .groups import broadcast_plan, build_groups
+
+    g = reducer.groups
+    if len(g.dp_ranks) != dist.get_world_size():
+        raise ValueError("topo_align: regroup needs the data-parallel group to be the whole world "
+                         f"({len(g.dp_ranks)} of {dist.get_world_size()} ranks)")
+    if reducer.mode == "selective":
+        reducer.reconcile(optimizer)
+    plan = broadcast_plan(plan if g.position == 0 else None, g.dp_group, src=g.dp_ranks[0])
+    new = build_groups(plan, timeout_s=reducer.cfg.fallback.timeout_s)
+    old_desc = [list(x) for x in reducer.plan.intra_groups]
+    reducer.groups, reducer.plan = new, plan
+    reducer.mode = reducer.cfg.mode if plan.hierarchical else "flat"
+    ctrl = getattr(reducer, "adaptive", None)
+    if ctrl is not None and getattr(ctrl, "_saved_classes", None):
+        reducer._classes = ctrl._saved_classes
+        ctrl._saved_classes = {}
+    reducer._H = reducer.cfg.local.reconcile_interval
+    reducer._inter_dtype = wire_dtype(reducer.cfg.sync.dtype if reducer.mode == "selective"
+                                      else reducer.cfg.communication.inter_dtype)
+    if reducer.mode != "selective":
+        reducer._classes = {n: SYNC for n in reducer._classes}
+    reducer._build_buckets()
+    if ctrl is not None:
+        reducer.adaptive = AdaptiveController(reducer, ctrl.cfg)
+        reducer.adaptive.events = ctrl.events + [{"step": reducer.step, "from": "groups", "to": "regrouped",
+                                                  "reason": reason, "measurement": {}}]
+    if new.position == 0:
+        log.warning("topo_align: adaptive: step %d: regrouped from intra groups %s to %s%s", reducer.step,
+                    old_desc, [list(x) for x in plan.intra_groups], f": {reason}" if reason else "")
