@@ -3,7 +3,10 @@
 
     # 1. turn the per-rank JSON lines of scripts/emulate_allreduce.py into one preset entry
     .venv/bin/python scripts/calibrate_costmodel.py collect --name virtual-2x2 \\
-        --topology configs/topologies/virtual-2x2.json --lines run-2x2.jsonl --out measured.json
+        --topology configs/topologies/virtual-2x2.json --lines run-2x2.jsonl --out measured.json \\
+        [--append] [--tiers '{"leaf": {"latency_us": 15}}']
+    #    --append: add the run to the preset's repeats (median and spread); --tiers: store a tier override
+    #    (what the emulator really gives, e.g. no netem: no link latency) with the preset
     # 2. compare (prints a markdown table; --write-doc puts it into docs/costmodel.md)
     .venv/bin/python scripts/calibrate_costmodel.py compare measured.json [--write-doc] [--tolerance 0.25]
 
@@ -160,9 +163,24 @@ def collect(args) -> int:
     preset = {"name": args.name, "topology": args.topology, "bytes": numel * 4,
               # the step ends when the slowest rank finishes
               "measured": {ph: max(v) for ph, v in phases.items()}, "node_tx_bytes": tx}
+    if args.tiers:
+        preset["tiers"] = json.loads(args.tiers)
     data = {"format": FORMAT, "machine": args.machine, "presets": []}
     if os.path.exists(args.out):
         data = load_json_file(args.out, what="measured results")
+    old = [p for p in data["presets"] if p.get("name") == args.name]
+    if args.append and old:
+        # another run of the same preset: keep every run as a repeat (median and spread in the table)
+        if old[0].get("bytes") != preset["bytes"]:
+            raise CalibrationError(f"{args.lines}: bytes = {preset['bytes']}, but preset {args.name!r} in "
+                                   f"{args.out} has {old[0].get('bytes')}; append runs of the same size only")
+        for ph, v in preset["measured"].items():
+            prev = old[0]["measured"].get(ph, [])
+            preset["measured"][ph] = (prev if isinstance(prev, list) else [prev]) + [v]
+            preset["node_tx_bytes"][ph] = max(tx[ph], old[0].get("node_tx_bytes", {}).get(ph, 0))
+        preset.setdefault("tiers", old[0].get("tiers"))
+        if preset["tiers"] is None:
+            del preset["tiers"]
     data["presets"] = [p for p in data["presets"] if p.get("name") != args.name] + [preset]
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
@@ -183,6 +201,9 @@ def main(argv=None) -> int:
     k.add_argument("--lines", required=True, help="stdout of the emulated run (one JSON line per rank)")
     k.add_argument("--out", required=True)
     k.add_argument("--machine", default="2-core CPU, emulated cluster (netns + tc), gloo")
+    k.add_argument("--append", action="store_true",
+                   help="add this run to the preset's repeats instead of replacing the preset")
+    k.add_argument("--tiers", help='JSON tier override stored with the preset, e.g. \'{"leaf": {"latency_us": 15}}\'')
     args = ap.parse_args(argv)
     try:
         if args.cmd == "collect":

@@ -168,6 +168,8 @@ def _world(rank, world_size):
             i += 1
             rec["errs"].append(step(i))
         out.append(rec)
+        if ctrl.level == "flat":
+            res["ckpt"] = _checkpoint_roundtrip(red, model, cfg)
     res["runs"] = out
     res["classes"] = red.classify()
     # health: probes of every group, gathered; the start-of-run check
@@ -185,6 +187,7 @@ def _world(rank, world_size):
     regroup(red, theirs if rank == 0 else bogus, opt, reason="test")
     res["regrouped"] = {"intra": list(red.groups.intra_ranks), "inter": list(red.groups.inter_ranks),
                         "mode": red.mode, "errs": [step(i + k) for k in (1, 2, 3)]}
+    res["auto"] = _auto_regroup(red, step, i + 3, rank)
     # a rank that never joins the probe: its rail partner gets the named error after the timeout
     if rank == 3:
         res["probe_error"] = None
@@ -195,6 +198,75 @@ def _world(rank, world_size):
         except CollectiveError as exc:
             res["probe_error"] = str(exc)
     return res
+
+
+def _checkpoint_roundtrip(red, model, cfg):
+    """Save while adapted to `flat`; load into a fresh `selective` reducer (and an old-format state)."""
+    import copy
+
+    from topo_integrations import GroupedReducer
+
+    sd = red.state_dict()
+    out = {"saved_mode": sd["mode"], "saved_level": sd["adaptive"]["level"],
+           "saved_classes_all_sync": all(c == "SYNC" for c in sd["classes"].values())}
+    fresh = GroupedReducer(copy.deepcopy(model), cfg, register_hooks=False)
+    out["fresh_mode"] = fresh.mode
+    fresh.load_state_dict(sd)
+    sd2 = fresh.state_dict()
+    out.update(mode=fresh.mode, level=fresh.adaptive.level, H=fresh._H, inter_dtype=str(fresh._inter_dtype),
+               classes_equal=fresh.classify() == red.classify(), layout_equal=fresh._layout() == red._layout(),
+               state_equal=(sd2["adaptive"] == sd["adaptive"] and sd2["classes"] == sd["classes"]
+                            and sd2["layout"] == sd["layout"] and sd2["step"] == sd["step"]),
+               events=len(fresh.adaptive.events) == len(red.adaptive.events))
+    fresh.close()
+    # an older state (no "adaptive" key) saved at the configured level still loads
+    old = GroupedReducer(copy.deepcopy(model), cfg, register_hooks=False)
+    osd = old.state_dict()
+    osd.pop("adaptive")
+    old2 = GroupedReducer(copy.deepcopy(model), cfg, register_hooks=False)
+    old2.load_state_dict(osd)
+    out["old_format"] = (old2.mode, old2.adaptive.level)
+    old.close()
+    old2.close()
+    return out
+
+
+def _auto_regroup(red, step, i, rank):
+    """Adaptive regrouping triggered at a check: injected measurements make the decision deterministic.
+    Rank 0's numbers say the host grouping is faster; the other ranks' say keep (rank 0 decides)."""
+    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.topology import plan_groups
+
+    by_host = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))
+    transposed = plan_groups(gather_hostnames_topology(["a", "b", "a", "b"]))
+    flat = plan_groups(gather_hostnames_topology(["a", "b", "c", "d"]))
+    wants = iter(["by-host", None, "transposed"])  # per check: which candidate rank 0 measures fast
+
+    def source(ctrl):
+        want = next(wants)
+        cands = {"current": ctrl.reducer.plan, "by-host": by_host, "transposed": transposed, "flat": flat}
+        measured = {k: (1.0, 0.01) for k in cands}  # all alike: no candidate 20% faster
+        if rank == 0 and want is not None:
+            measured[want] = (1.0, 0.1)  # 10x faster inter tier for that grouping
+        return cands, measured
+
+    red.adaptive.cfg = red.adaptive.cfg.model_copy(update={"check_interval": 2, "window": 1000})
+    red.adaptive.regroup_source = source
+    out = []
+    for _ in range(3):  # three checks: regroup to by-host, keep, regroup back to transposed
+        for _ in range(2):
+            i += 1
+            step(i)
+        out.append({"intra": list(red.groups.intra_ranks), "inter": list(red.groups.inter_ranks),
+                    "chosen": red.adaptive.regroup_decisions[-1]["chosen"], "step": red.step})
+    red.verify_consistency()
+    ev = [e for e in red.adaptive.events if e["to"] == "regrouped"]
+    # the default source (real probes): candidates measured by one probe of the current groups
+    cands, measured = type(red.adaptive)._default_regroup_source(red.adaptive)
+    default = {"names": sorted(cands), "transposed_intra": [list(g) for g in cands["transposed"].intra_groups],
+               "swapped": measured["transposed"] == measured["current"][::-1],
+               "flat_hier": cands["flat"].hierarchical}
+    return {"checks": out, "reasons": [e["reason"] for e in ev], "default": default}
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +340,39 @@ def test_regroup_agrees_on_rank0_plan_and_stays_exact(world):
         assert g["mode"] == "selective"
         for e in g["errs"]:  # SYNC gradients still equal the global mean; verify_consistency passed
             assert max(e[n] for n in sync) <= 1e-6, e
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_checkpoint_keeps_adaptive_level_and_configured_mode(world):
+    for w in world:
+        c = w["ckpt"]
+        assert (c["saved_mode"], c["saved_level"], c["saved_classes_all_sync"]) == ("selective", 3, False)
+        assert c["fresh_mode"] == "selective"
+        assert (c["mode"], c["level"], c["H"], c["inter_dtype"]) == ("flat", "flat", 8, "torch.float16")
+        assert c["classes_equal"] and c["layout_equal"] and c["state_equal"] and c["events"]
+        assert c["old_format"] == ("selective", "normal")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_adaptive_regroup_triggers_at_check_and_all_ranks_agree(world):
+    got = [w["auto"] for w in world]
+    # the step at which each check ran, and rank 0's choice, are the same everywhere
+    assert all([(c["step"], c["chosen"]) for c in g["checks"]] == [(c["step"], c["chosen"]) for c in got[0]["checks"]]
+               for g in got)
+    assert [c["chosen"] for c in got[0]["checks"]] == ["by-host", None, "transposed"]
+    by_host = [[(c["intra"], c["inter"]) for c in g["checks"]] for g in got]
+    assert [x[0] for x in by_host] == [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+    assert all(x[1] == x[0] for x in by_host)  # second check kept the groups
+    assert [x[2] for x in by_host] == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]
+    r = got[0]["reasons"]
+    assert len(r) == 3 and r[0] == "test"  # the manual regroup, then the two triggered ones
+    assert r[1].startswith("plan 'by-host' estimated ") and "(>= 20% faster; by-host " in r[1]
+    assert "measured GB/s (intra, inter): " in r[1]
+    d = got[0]["default"]  # now grouped (0, 2), (1, 3): transposing gives back the host islands
+    assert d == {"names": ["current", "flat", "transposed"], "transposed_intra": [[0, 1], [2, 3]],
+                 "swapped": True, "flat_hier": False}
 
 
 def test_choose_plan_prefers_the_grouping_that_avoids_the_slow_tier():

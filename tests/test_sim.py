@@ -386,3 +386,25 @@ def test_calibration_script_compare_and_collect(tmp_path, capsys):
     out.write_text(json.dumps(data))
     assert cal.main(["compare", str(out)]) == 2
     assert "presets[0].measured.ring = 'fast'" in capsys.readouterr().err
+
+
+def test_calibration_collect_append_keeps_repeats_and_tiers(tmp_path, capsys):
+    import pathlib
+
+    cal = _calibrate_module()
+    topo_file = str(pathlib.Path(__file__).parent / "fixtures" / "sim" / "virtual-2x2.json")
+    out = tmp_path / "measured.json"
+    tiers = '{"leaf": {"latency_us": 15}}'
+    for i, (secs, numel) in enumerate(((0.5, 1_000_000), (0.7, 1_000_000), (0.9, 2_000_000))):
+        lines = tmp_path / f"run{i}.jsonl"
+        lines.write_text(json.dumps({"rank": 0, "numel": numel, "iters": 1, "phases": {
+            "flat": {"seconds": secs, "node_tx_bytes": 6_000_000 + i}}}) + "\n")
+        argv = ["collect", "--name", "v2x2", "--topology", topo_file, "--lines", str(lines), "--out", str(out),
+                "--append"] + (["--tiers", tiers] if i == 0 else [])
+        assert cal.main(argv) == (0 if i < 2 else 2)
+    preset = json.loads(out.read_text())["presets"][0]
+    # two runs of the same size are kept as repeats; the third (another size) is refused
+    assert preset["measured"]["flat"] == [0.5, 0.7] and preset["node_tx_bytes"]["flat"] == 6_000_001
+    assert preset["tiers"] == {"leaf": {"latency_us": 15}}
+    assert "bytes = 8000000, but preset 'v2x2'" in capsys.readouterr().err
+    assert cal.predict(topo_file, 4e6, "ring", tiers=preset["tiers"])[0] < cal.predict(topo_file, 4e6, "ring")[0]

@@ -38,6 +38,7 @@ an optimizer step, when no bucket is in flight; entering `flat` from `selective`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -200,6 +201,14 @@ class AdaptiveController:
         self._last_total = self._inter_totals()
         self._last_t = time.perf_counter()
         self._last_step = reducer.step
+        # Adaptive regrouping (see _maybe_regroup): a plan must be this much faster (estimated) to be
+        # adopted, so measurement noise does not rebuild the groups back and forth.
+        self.regroup_margin = 0.2
+        self.regroup_source = None
+        """Test seam / extension point: ``fn(controller) -> (candidates, measured)`` replacing the probe
+        (candidates: name -> Plan, must include ``"current"``; measured: name -> (intra, inter) GB/s)."""
+        self.regroup_decisions: list[dict] = []
+        """Every regroup evaluation: step, estimates (seconds), best, chosen (None when kept)."""
         if not self.active:
             log.info("topo_align: adaptive: nothing to adapt (mode %r, %d groups)", self.base_mode, g.inter_size)
 
@@ -225,7 +234,10 @@ class AdaptiveController:
     def after_step(self, optimizer=None) -> None:
         """Measure and decide every ``check_interval`` steps (collective over the DP group then)."""
         r = self.reducer
-        if not self.active or r.step % self.cfg.check_interval != 0:
+        if r.step % self.cfg.check_interval != 0:
+            return
+        if not self.active:
+            self._maybe_regroup(optimizer)
             return
         now = time.perf_counter()
         b, s = self._inter_totals()
@@ -259,6 +271,10 @@ class AdaptiveController:
             self.events.append(ev)
             if r.groups.position == 0:
                 log.warning("topo_align: adaptive: step %d: %s -> %s: %s", r.step, ev["from"], ev["to"], reason)
+        # Regrouping only from the configured level: a level change and a regroup in one check would
+        # be two adaptations to one measurement (regroup returns the new controller to `normal`).
+        if new == 0 and self._maybe_regroup(optimizer):
+            return  # the reducer now has a fresh controller (re-calibrating on the new groups)
         # Measure the next window from here (after the probe and any reconciliation made by _apply).
         self._last_total = self._inter_totals()
         self._last_t = time.perf_counter()
@@ -266,12 +282,14 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ applying a level
 
-    def _apply(self, old: int, new: int, optimizer) -> None:
+    def _apply(self, old: int, new: int, optimizer, *, reconcile: bool = True) -> None:
+        """Put the reducer at level ``new``. ``reconcile=False`` (restoring a checkpoint) skips the
+        blocking reconciliation before `flat`: the checkpoint was taken in flat, replicas identical."""
         av = self.policy.available
         want = set(av[1:new + 1])  # every level up to `new` is in effect (they accumulate)
         r = self.reducer
         if "flat" in want and r.mode != "flat":
-            if r.mode == "selective":
+            if r.mode == "selective" and reconcile:
                 r.reconcile(optimizer)  # blocking: replicas identical before one all-reduce keeps them so
             r.mode = "flat"
             # Flat is one class: every bucket on the SYNC worker, so the DP-group all-reduces are issued
@@ -293,9 +311,121 @@ class AdaptiveController:
                 b.residual = r._new_residual(b)
 
     def state_dict(self) -> dict:
+        """Everything needed to continue: the level, references, calibration and run counters, the
+        flat trial, and the event log (plain Python values, picklable)."""
         p = self.policy
-        return {"level": p.level, "reference": p.reference, "probe_reference": p.probe_reference,
-                "flat_rejected": p.flat_rejected, "events": list(self.events)}
+        return {"available": list(p.available), "level": p.level, "reference": p.reference,
+                "probe_reference": p.probe_reference, "calibration": [dict(c.__dict__) for c in p.calibration],
+                "degraded_run": p.degraded_run, "recovered_run": p.recovered_run,
+                "flat_trial_from": p.flat_trial_from, "flat_rejected": p.flat_rejected,
+                "last_step_s": dict(p.last_step_s), "events": [dict(e) for e in self.events]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict` and put the reducer at the saved level (no communication).
+
+        The reducer calls it while loading its own state, after restoring the configured classes and
+        before checking the bucket layout (which depends on the level). Keys missing from older
+        states keep their fresh values."""
+        p = self.policy
+        av = tuple(sd.get("available", p.available))
+        if av != p.available:
+            raise ValueError(f"adaptive state was saved with levels {list(av)}; this reducer has "
+                             f"{list(p.available)} (mode or wire settings changed)")
+        level = int(sd.get("level", 0))
+        if not 0 <= level < len(p.available):
+            raise ValueError(f"adaptive state has level {level}; accepted 0..{len(p.available) - 1}")
+        old = p.level
+        p.reference = sd.get("reference", p.reference)
+        p.probe_reference = sd.get("probe_reference", p.probe_reference)
+        p.calibration = [Measurement(**c) for c in sd.get("calibration", [])]
+        p.degraded_run = int(sd.get("degraded_run", 0))
+        p.recovered_run = int(sd.get("recovered_run", 0))
+        p.flat_trial_from = sd.get("flat_trial_from")
+        p.flat_rejected = bool(sd.get("flat_rejected", False))
+        p.last_step_s = {int(k): float(v) for k, v in sd.get("last_step_s", {}).items()}
+        self.events = [dict(e) for e in sd.get("events", [])]
+        p.level = level
+        if level != old:
+            self._apply(old, level, None, reconcile=False)
+
+    def reset_window(self) -> None:
+        """Start the next measurement window now (after loading a checkpoint: its stats and step)."""
+        self._last_total = self._inter_totals()
+        self._last_t = time.perf_counter()
+        self._last_step = self.reducer.step
+
+    # ------------------------------------------------------------------ regrouping trigger
+
+    def _default_regroup_source(self) -> tuple[dict, dict]:
+        """Probe my groups (health.probe_groups, collective over the DP group) and compare the current
+        plan with `flat` (a ring at the slowest tier's bandwidth) and `transposed` (the rails become
+        the groups and the groups the rails: wins when the intra tier is the congested one, e.g. a
+        degraded island link). Both are measured by the same probe, no other groups are built."""
+        from ..topology import plan_groups
+        from .groups import gather_hostnames_topology
+        from .health import probe_groups, tier_gbps
+
+        r = self.reducer
+        intra, inter = tier_gbps(probe_groups(r.groups, nbytes=self.probe_numel * 4, iters=2, device=r.device))
+        cands, measured = {"current": r.plan}, {}
+        if intra and inter:
+            measured["current"] = (intra, inter)
+            n = r.plan.world_size
+            cands["flat"] = plan_groups(gather_hostnames_topology([f"rank{i}" for i in range(n)]))
+            measured["flat"] = (min(intra, inter), min(intra, inter))
+            p = r.plan
+            if len(p.inter_groups) > 1 and len(p.inter_groups[0]) > 1:
+                cands["transposed"] = dataclasses.replace(
+                    p, intra_groups=tuple(tuple(x) for x in p.inter_groups),
+                    inter_groups=tuple(tuple(x) for x in p.intra_groups), intra_tier=p.inter_tier,
+                    inter_tier=p.intra_tier, intra_bandwidth_gbps=p.inter_bandwidth_gbps,
+                    inter_bandwidth_gbps=p.intra_bandwidth_gbps, leaf_groups=(), leaf_rails=(), spine_rails=(),
+                    middle_level=False, reason="adaptive regrouping: rails and groups swapped (probe)")
+                measured["transposed"] = (inter, intra)
+        else:
+            measured["current"] = (intra or inter or 1.0, inter or intra or 1.0)
+        return cands, measured
+
+    def _maybe_regroup(self, optimizer) -> bool:
+        """At a check: estimate each candidate grouping from probe measurements and regroup when one is
+        clearly faster than the current plan. Returns whether the groups were rebuilt.
+
+        Collective over the DP group (every rank calls it at the same step):
+          1. measure: the probe (``_default_regroup_source``) or the ``regroup_source`` seam;
+          2. :func:`choose_plan` on every rank; a candidate other than ``current`` is chosen only when
+             its estimate is at least ``regroup_margin`` below the current plan's;
+          3. DP position 0 broadcasts its choice (index into the sorted candidate names, -1 = keep),
+             so every rank takes the same branch even if its own numbers differed;
+          4. when chosen, :func:`regroup` (which broadcasts position 0's plan and rebuilds the groups).
+        """
+        r = self.reducer
+        g = r.groups
+        if len(g.dp_ranks) != dist.get_world_size():
+            return False  # regroup() only handles a DP group spanning the world
+        if self.regroup_source is None and not r.plan.hierarchical:
+            return False  # nothing to compare without a second tier to probe
+        cands, measured = (self.regroup_source or type(self)._default_regroup_source)(self)
+        names = sorted(cands)
+        best, est = choose_plan(cands, r.cfg.communication.bucket_size_mb * 1024 * 1024, measured)
+        cur = est["current"]
+        pick = best if best != "current" and est[best] <= (1.0 - self.regroup_margin) * cur else None
+        choice = torch.tensor([names.index(pick) if pick else -1], dtype=torch.int64, device=r.device)
+        if g.dp_size > 1:
+            _run("broadcast(regroup choice)", "dp", g.dp_group, g, 8, None,
+                 lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group))
+        idx = int(choice.item())
+        pick = names[idx] if 0 <= idx < len(names) else None
+        numbers = ", ".join(f"{k} {est[k] * 1e3:.3g} ms" for k in sorted(est))
+        self.regroup_decisions.append({"step": r.step, "estimates": dict(est), "best": best, "chosen": pick})
+        if pick is None:
+            log.debug("topo_align: adaptive: step %d: keeping the groups (estimated comm per bucket: %s)",
+                      r.step, numbers)
+            return False
+        reason = (f"plan {pick!r} estimated {est[pick] * 1e3:.3g} ms vs current {cur * 1e3:.3g} ms per bucket "
+                  f"(>= {self.regroup_margin:.0%} faster; {numbers}; measured GB/s (intra, inter): "
+                  f"{ {k: tuple(round(x, 4) for x in v) for k, v in sorted(measured.items())} })")
+        regroup(r, cands[pick], optimizer, reason=reason)
+        return True
 
 
 # ---------------------------------------------------------------------- adaptive regrouping
@@ -360,6 +490,9 @@ def regroup(reducer, plan, optimizer=None, *, reason: str = "") -> None:
     reducer._build_buckets()
     if ctrl is not None:
         reducer.adaptive = AdaptiveController(reducer, ctrl.cfg)
+        reducer.adaptive.regroup_margin = ctrl.regroup_margin
+        reducer.adaptive.regroup_source = ctrl.regroup_source
+        reducer.adaptive.regroup_decisions = list(ctrl.regroup_decisions)
         reducer.adaptive.events = ctrl.events + [{"step": reducer.step, "from": "groups", "to": "regrouped",
                                                   "reason": reason, "measurement": {}}]
     if new.position == 0:

@@ -37,7 +37,7 @@ from .collectives import _run
 from .groups import ReducerGroups
 
 __all__ = ["ProbeResult", "probe_groups", "check_probe", "check_gpu_links", "start_of_run_check",
-           "run_probe_job", "main"]
+           "run_probe_job", "main", "tier_gbps"]
 
 log = logging.getLogger("topo_align")
 
@@ -125,6 +125,16 @@ def probe_groups(groups: ReducerGroups, *, nbytes: int = 1 << 20, iters: int = 3
             row["inter"] = {"ranks": rail, "latency_us": v[2], "busbw_gbps": v[3]}
         rows.append(row)
     return ProbeResult(nbytes=numel * 4, rows=rows)
+
+
+def tier_gbps(result: ProbeResult) -> tuple[float | None, float | None]:
+    """(intra, inter) bus bandwidth of the slowest group of each tier (None when the tier has no group
+    of two or more): a hierarchical step waits for its slowest group, so that is what estimates use."""
+    out = []
+    for kind, _ in _KINDS:
+        bws = [g["busbw_gbps"] for g in result.groups(kind) if g["busbw_gbps"] > 0]
+        out.append(min(bws) if bws else None)
+    return out[0], out[1]
 
 
 def check_probe(result: ProbeResult, plan, *, tolerance: float = 2.0) -> list[Finding]:

@@ -542,9 +542,18 @@ class GroupedReducer:
             for b in self._buckets[c]:
                 if b.residual is not None:
                     res[f"{c}:{b.index}"] = b.residual.detach().cpu().clone()
+        # Adapted to `flat`, the reducer runs every tensor as SYNC; the state keeps the CONFIGURED mode
+        # and classes plus the adaptive level, so a fresh reducer (configured mode) restores both.
+        ctrl = self.adaptive
+        mode, classes = self.mode, dict(self._classes)
+        if ctrl is not None:
+            mode = ctrl.base_mode
+            if ctrl._saved_classes:
+                classes = dict(ctrl._saved_classes)
         return {
-            "format": STATE_FORMAT, "mode": self.mode, "step": self.step, "last_refresh": self._last_refresh,
-            "all_synced": self._all_synced, "classes": dict(self._classes), "layout": self._layout(),
+            "format": STATE_FORMAT, "mode": mode, "step": self.step, "last_refresh": self._last_refresh,
+            "all_synced": self._all_synced, "classes": classes, "layout": self._layout(),
+            "adaptive": None if ctrl is None else ctrl.state_dict(),
             "residuals": res, "importance": self.importance.state_dict(), "pending": pend,
             "max_staleness": self.max_staleness, "stats": self.stats_.state_dict(),
             "drift": self._drift.state_dict(),
@@ -554,14 +563,25 @@ class GroupedReducer:
         if not isinstance(sd, dict) or sd.get("format") != STATE_FORMAT:
             raise ValueError(f"not a reducer state (format {sd.get('format') if isinstance(sd, dict) else None!r}; "
                              f"expected {STATE_FORMAT!r})")
-        if sd["mode"] != self.mode:
-            raise ValueError(f"reducer state was saved in mode {sd['mode']!r}; this reducer runs {self.mode!r}")
+        ctrl = self.adaptive
+        mine = ctrl.base_mode if ctrl is not None else self.mode
+        if sd["mode"] != mine:
+            raise ValueError(f"reducer state was saved in mode {sd['mode']!r}; this reducer runs {mine!r}")
         if set(sd["classes"]) != set(self._names):
             missing = sorted(set(self._names) ^ set(sd["classes"]))[:3]
             raise ValueError(f"reducer state names other parameters than this model (e.g. {missing})")
+        ad = sd.get("adaptive")  # absent in states saved before the adaptive state was kept
+        if ad and ad.get("level", 0) and ctrl is None:
+            raise ValueError(f"reducer state was saved adapted to level {ad.get('available', ['?'] * 4)[ad['level']]!r}; "
+                             "this reducer has adaptive.enabled = false (enable it to resume)")
+        if ctrl is not None and ctrl.policy.level != 0:
+            ctrl._apply(ctrl.policy.level, 0, None, reconcile=False)  # back to the configured level first
+            ctrl.policy.level = 0
         if sd["classes"] != self._classes:
             self._classes = dict(sd["classes"])
             self._build_buckets()
+        if ctrl is not None and ad:
+            ctrl.load_state_dict(ad)  # re-applies the saved level (layout, H, wire) before the checks below
         if sd["layout"] != self._layout():
             raise ValueError("reducer state has another bucket layout (bucket_size_mb or parameter order changed)")
         for c in (SYNC, LOCAL):
@@ -583,6 +603,8 @@ class GroupedReducer:
             "avg": p["avg"].to(self.device), "future": None, "step": int(p["step"])}
         self.stats_.load_state_dict(sd["stats"])
         self._drift.load_state_dict(sd.get("drift"))
+        if ctrl is not None:
+            ctrl.reset_window()
 
     def stats(self) -> dict:
         """Bytes, calls and seconds per tier and class (last step and total) plus the current classes."""
