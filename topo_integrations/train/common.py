@@ -31,8 +31,8 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is depreca
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 from ..config import ConfigError, TopoAlignConfig
-from .data import DEFAULT_MAX_BYTES
-from .model import PRESETS
+from .data import DEFAULT_MAX_BYTES, DataError
+from .model import PRESETS, PresetError
 
 __all__ = ["UsageError", "ArgumentParser", "add_common_args", "parse_set", "topo_block", "init_distributed",
            "lr_at", "RunPaths", "run_paths", "virtual_hostname", "fail"]
@@ -265,3 +265,30 @@ def run_paths(args: argparse.Namespace, framework: str, block: dict | None) -> R
     data_dir = args.data_dir or os.path.join(args.runs_dir, "data")
     return RunPaths(run_dir=run_dir, ckpt_dir=os.path.join(run_dir, "checkpoints"), data_dir=data_dir,
                     cache_dir=os.path.join(data_dir, "cache"))
+
+
+# Errors a user can cause with flags or files: one line and exit 2, never a traceback.
+USER_ERRORS = (UsageError, ConfigError, DataError, PresetError)
+
+
+def run_main(args: argparse.Namespace, check, run) -> int:
+    """Shared ``main`` of the entry points: ``--check-args`` validates only; a run always leaves
+    the process group torn down (barrier first, so no rank exits while a peer still sends)."""
+    if args.check_args:
+        try:
+            check(args)
+        except USER_ERRORS as exc:
+            fail(str(exc))
+        return 0
+    try:
+        run(args)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    return 0

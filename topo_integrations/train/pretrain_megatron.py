@@ -29,13 +29,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
 from . import checkpoint as ckpt
 from . import common
 from .common import UsageError
-from .data import DataError, GlobalBatches, build_gpt_datasets, prepare_dataset
+from .data import GlobalBatches, build_gpt_datasets, prepare_dataset
 from .metrics import TrainLogger
-from .model import PresetError, preset
+from .model import preset
 
 __all__ = ["main", "build_parser"]
 
@@ -330,25 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_megatron_lm(ns, argv[:i] + argv[i + 2:])
         except UsageError as exc:
             common.fail(str(exc))
-    args = build_parser().parse_args(argv)
-    if args.check_args:
-        try:
-            check(args)
-        except (UsageError, ConfigError, DataError, PresetError) as exc:
-            common.fail(str(exc))
-        return 0
-    try:
-        run(args)
-    except (UsageError, ConfigError, DataError, PresetError) as exc:
-        common.fail(str(exc))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.barrier()
-                dist.destroy_process_group()
-            except Exception:
-                pass
-    return 0
+    return common.run_main(build_parser().parse_args(argv), check, run)
 
 
 if __name__ == "__main__":
