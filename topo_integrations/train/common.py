@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is depreca
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 from ..config import ConfigError, TopoAlignConfig
-from .data import DEFAULT_MAX_BYTES, DataError
+from .data import DEFAULT_MAX_BYTES, DataError, GlobalBatches, build_gpt_datasets, prepare_dataset
 from .model import PRESETS, PresetError
 
 __all__ = ["UsageError", "ArgumentParser", "add_common_args", "parse_set", "topo_block", "init_distributed",
@@ -292,3 +292,27 @@ def run_main(args: argparse.Namespace, check, run) -> int:
             except Exception:
                 pass
     return 0
+
+
+def train_valid_batches(args: argparse.Namespace, paths, seq_length: int, rank: int,
+                        dp_size: int, dp_rank: int) -> tuple[str, int, GlobalBatches, list]:
+    """``(dataset prefix, global batch, training batches, fixed validation batches)`` for both entry points.
+
+    Communication: rank 0 builds the indexed dataset once (cached by corpus digest) and broadcasts
+    its path; every rank then opens it and takes its data-parallel share of each global batch.
+    """
+    if args.data_path:
+        prefix = args.data_path
+    else:
+        box = [None]
+        if rank == 0:
+            box[0], _ = prepare_dataset(paths.data_dir, corpus=args.corpus, max_bytes=args.corpus_max_bytes)
+        dist.broadcast_object_list(box, src=0)
+        prefix = box[0]
+    global_batch = args.micro_batch_size * args.grad_accum * dp_size
+    train_ds, valid_ds = build_gpt_datasets(
+        prefix, seq_length=seq_length, seed=args.seed, train_samples=args.train_steps * global_batch,
+        valid_samples=args.eval_batches * args.micro_batch_size * dp_size, cache_dir=paths.cache_dir)
+    train = GlobalBatches(train_ds, args.micro_batch_size, dp_size, dp_rank, args.grad_accum)
+    valid = GlobalBatches(valid_ds, args.micro_batch_size, dp_size, dp_rank, 1).eval_batches(args.eval_batches)
+    return prefix, global_batch, train, valid

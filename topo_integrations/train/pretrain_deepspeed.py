@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from . import common
 from .common import UsageError
-from .data import GlobalBatches, build_gpt_datasets, prepare_dataset
 from .metrics import TrainLogger
 from .model import GPT, preset
 
@@ -156,21 +155,8 @@ def run(args: argparse.Namespace) -> dict:
     paths = common.run_paths(args, "deepspeed", block)
     gcfg = preset(args.model, seq_length=args.seq_length)
 
-    # Data: rank 0 builds the indexed dataset once (cached by corpus digest), the others wait.
-    if args.data_path:
-        prefix = args.data_path
-    else:
-        prefix_box = [None]
-        if rank == 0:
-            prefix_box[0], _ = prepare_dataset(paths.data_dir, corpus=args.corpus, max_bytes=args.corpus_max_bytes)
-        dist.broadcast_object_list(prefix_box, src=0)
-        prefix = prefix_box[0]
-    global_batch = args.micro_batch_size * args.grad_accum * world
-    train_ds, valid_ds = build_gpt_datasets(
-        prefix, seq_length=gcfg.seq_length, seed=args.seed, train_samples=args.train_steps * global_batch,
-        valid_samples=args.eval_batches * args.micro_batch_size * world, cache_dir=paths.cache_dir)
-    train = GlobalBatches(train_ds, args.micro_batch_size, world, rank, args.grad_accum)
-    valid = GlobalBatches(valid_ds, args.micro_batch_size, world, rank, 1).eval_batches(args.eval_batches)
+    prefix, global_batch, train, valid = common.train_valid_batches(
+        args, paths, gcfg.seq_length, rank, world, rank)
 
     torch.manual_seed(args.seed)
     model = GPT(gcfg)

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import common
 from .common import UsageError
-from .data import GlobalBatches, build_gpt_datasets, prepare_dataset
 from .metrics import TrainLogger
 from .model import preset
 
@@ -133,20 +132,8 @@ def _train(args, rank, world, backend, tp, block, paths, gcfg) -> dict:
     torch.manual_seed(args.seed)
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
-    if args.data_path:
-        prefix = args.data_path
-    else:
-        box = [None]
-        if rank == 0:
-            box[0], _ = prepare_dataset(paths.data_dir, corpus=args.corpus, max_bytes=args.corpus_max_bytes)
-        dist.broadcast_object_list(box, src=0)
-        prefix = box[0]
-    global_batch = args.micro_batch_size * args.grad_accum * dp_size
-    train_ds, valid_ds = build_gpt_datasets(
-        prefix, seq_length=gcfg.seq_length, seed=args.seed, train_samples=args.train_steps * global_batch,
-        valid_samples=args.eval_batches * args.micro_batch_size * dp_size, cache_dir=paths.cache_dir)
-    train = GlobalBatches(train_ds, args.micro_batch_size, dp_size, dp_rank, args.grad_accum)
-    valid = GlobalBatches(valid_ds, args.micro_batch_size, dp_size, dp_rank, 1).eval_batches(args.eval_batches)
+    prefix, global_batch, train, valid = common.train_valid_batches(
+        args, paths, gcfg.seq_length, rank, dp_size, dp_rank)
 
     on_gpu = torch.cuda.is_available()
     tcfg = TransformerConfig(
