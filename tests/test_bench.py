@@ -20,7 +20,7 @@ import pytest
 from topo_integrations.bench.report import markdown, summarize
 from topo_integrations.bench.systems import SYSTEMS, Layout, System, availability, ring_bytes, theory_bytes
 from topo_integrations.emulate.bench_cli import write_section
-from topo_integrations.emulate.netns import list_namespaces, unavailable_reason
+from topo_integrations.emulate.netns import list_namespaces, probe_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -166,19 +166,7 @@ def test_bad_input_is_one_line_and_exit_2(args, msg):
 
 # ------------------------------------------------------------------------------ emulated
 
-def _namespaces_unavailable() -> str | None:
-    reason = unavailable_reason()
-    if reason:
-        return reason
-    name = f"ta{os.getpid()}-998-probe"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-    return None
-
-
-_REASON = _namespaces_unavailable() if sys.platform.startswith("linux") else "network namespaces are Linux-only"
+_REASON = probe_unavailable_reason()
 
 
 @pytest.fixture(scope="module")

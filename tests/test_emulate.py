@@ -20,7 +20,7 @@ import pytest
 
 from topo_integrations.emulate import DelayUnsupported, EmulatedCluster, EmulationError, LinkShape, plan_layout
 from topo_integrations.emulate import cli as emulate_cli
-from topo_integrations.emulate.netns import NS_PREFIX_RE, list_namespaces, unavailable_reason
+from topo_integrations.emulate.netns import NS_PREFIX_RE, list_namespaces, probe_unavailable_reason
 from topo_integrations.emulate.runner import node_env, rank_env
 from topo_integrations.emulate.shaping import netem_available
 from topo_integrations.topology.file_source import load_topology_file
@@ -32,19 +32,7 @@ PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _namespaces_unavailable() -> str | None:
-    reason = unavailable_reason()
-    if reason:
-        return reason
-    name = f"ta{os.getpid()}-999-probe"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-    return None
-
-
-_REASON = _namespaces_unavailable() if sys.platform.startswith("linux") else "network namespaces are Linux-only"
+_REASON = probe_unavailable_reason()
 needs_netns = pytest.mark.skipif(_REASON is not None, reason=f"emulated cluster unavailable: {_REASON}")
 
 
@@ -236,9 +224,11 @@ def test_torchrun_mode(tmp_path):
     # The workers only report what torchrun gave them (the gloo job itself runs in the per-rank test):
     # the two agents still rendezvous over the emulated link.
     worker = tmp_path / "worker.py"
-    worker.write_text("import json, os, socket\n"
-                      "print(json.dumps({k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
-                      "'GLOO_SOCKET_IFNAME')} | {'host': socket.gethostname()}))\n")
+    # One write per line: with PYTHONUNBUFFERED, print() writes text and newline separately, and the
+    # two workers of a node share one pipe, so their lines could interleave.
+    worker.write_text("import json, os, socket, sys\n"
+                      "sys.stdout.write(json.dumps({k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', "
+                      "'WORLD_SIZE', 'GLOO_SOCKET_IFNAME')} | {'host': socket.gethostname()}) + '\\n')\n")
     links_before = _root_links()
     p = _emulate("--topology", str(TOPO_2X2), "--torchrun", "--timeout", "100", "--", str(worker))
     out, err = p.communicate(timeout=120)

@@ -157,21 +157,9 @@ TOPO_2X2 = ROOT / "configs" / "topologies" / "virtual-2x2.json"
 
 
 def _unavailable() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux-only"
-    from topo_integrations.emulate.netns import unavailable_reason
+    from topo_integrations.emulate.netns import probe_unavailable_reason
 
-    reason = unavailable_reason()
-    if reason:
-        return reason
-    import subprocess
-
-    name = f"ta{os.getpid()}-998-probe"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-    return None
+    return probe_unavailable_reason()
 
 
 _REASON = _unavailable()

@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,22 @@ def unavailable_reason() -> str | None:
         return "this kernel has no network namespaces (/proc/self/ns/net is missing)"
     return None
 
+
+
+def probe_unavailable_reason() -> str | None:
+    """Like :func:`unavailable_reason`, then really make and delete one namespace (some containers
+    pass the cheap checks but refuse ``ip netns add``). For tests and ``doctor``-style checks."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux-only"
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    name = f"ta{os.getpid()}-999-probe"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return None
 
 def run_ip(args: list[str], *, ns: str | None = None, tool: str = "ip", check: bool = True,
            timeout: float = 20.0) -> subprocess.CompletedProcess:
