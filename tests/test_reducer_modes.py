@@ -292,7 +292,7 @@ def s_state_round_trip(rank, world, groups):
     train(m, r, o, rank, 0, k)
     buf = io.BytesIO()
     torch.save({"model": m.state_dict(), "opt": o.state_dict(), "reducer": r.state_dict()}, buf)
-    had_pending = r.state_dict()["pending"] is not None
+    had_pending = r.state_dict()["engine"]["pending"] is not None
     r.close()
     buf.seek(0)
     sd = torch.load(buf, weights_only=False)

@@ -157,8 +157,8 @@ def _world(rank, world_size):
     out = []
     for level in (0, 1, 2, 3, 0):
         go(level)
-        rec = {"level": ctrl.level, "mode": red.mode, "H": red._H, "inter_dtype": str(red._inter_dtype),
-               "sync_residuals": sum(b.residual is not None for b in red._buckets["SYNC"]), "errs": []}
+        rec = {"level": ctrl.level, "mode": red.mode, "H": red.engine.reconcile_interval,
+               "inter_dtype": str(red.engine.sync_dtype), "errs": []}
         if red.mode == "flat":  # entering flat reconciled: every parameter identical on all ranks
             h = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             allh = [torch.empty_like(h) for _ in range(world_size)]
@@ -167,6 +167,8 @@ def _world(rank, world_size):
         for _ in range(4):
             i += 1
             rec["errs"].append(step(i))
+        # SYNC residuals exist only while the SYNC wire is lossy (the fp16 level, not in flat)
+        rec["sync_residuals"] = sum(k.startswith("sync/") for k in red.engine.wire.residual_state())
         out.append(rec)
         if ctrl.level == "flat":
             res["ckpt"] = _checkpoint_roundtrip(red, model, cfg)
@@ -206,23 +208,24 @@ def _checkpoint_roundtrip(red, model, cfg):
 
     from topo_integrations import GroupedReducer
 
-    sd = red.state_dict()
+    sd = red.state_dict()["engine"]
     out = {"saved_mode": sd["mode"], "saved_level": sd["adaptive"]["level"],
            "saved_classes_all_sync": all(c == "SYNC" for c in sd["classes"].values())}
     fresh = GroupedReducer(copy.deepcopy(model), cfg, register_hooks=False)
     out["fresh_mode"] = fresh.mode
-    fresh.load_state_dict(sd)
-    sd2 = fresh.state_dict()
-    out.update(mode=fresh.mode, level=fresh.adaptive.level, H=fresh._H, inter_dtype=str(fresh._inter_dtype),
+    fresh.load_state_dict(red.state_dict())
+    sd2 = fresh.state_dict()["engine"]
+    out.update(mode=fresh.mode, level=fresh.adaptive.level, H=fresh.engine.reconcile_interval,
+               inter_dtype=str(fresh.engine.sync_dtype),
                classes_equal=fresh.classify() == red.classify(), layout_equal=fresh._layout() == red._layout(),
                state_equal=(sd2["adaptive"] == sd["adaptive"] and sd2["classes"] == sd["classes"]
-                            and sd2["layout"] == sd["layout"] and sd2["step"] == sd["step"]),
+                            and fresh._layout() == red._layout() and sd2["step"] == sd["step"]),
                events=len(fresh.adaptive.events) == len(red.adaptive.events))
     fresh.close()
     # an older state (no "adaptive" key) saved at the configured level still loads
     old = GroupedReducer(copy.deepcopy(model), cfg, register_hooks=False)
     osd = old.state_dict()
-    osd.pop("adaptive")
+    osd["engine"].pop("adaptive")
     old2 = GroupedReducer(copy.deepcopy(model), cfg, register_hooks=False)
     old2.load_state_dict(osd)
     out["old_format"] = (old2.mode, old2.adaptive.level)
@@ -244,7 +247,7 @@ def _auto_regroup(red, step, i, rank):
 
     def source(ctrl):
         want = next(wants)
-        cands = {"current": ctrl.reducer.plan, "by-host": by_host, "transposed": transposed, "flat": flat}
+        cands = {"current": ctrl.engine.groups.plan, "by-host": by_host, "transposed": transposed, "flat": flat}
         measured = {k: (1.0, 0.01) for k in cands}  # all alike: no candidate 20% faster
         if rank == 0 and want is not None:
             measured[want] = (1.0, 0.1)  # 10x faster inter tier for that grouping

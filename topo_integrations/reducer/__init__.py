@@ -1,4 +1,4 @@
-"""Topology-aware gradient reduction (DESIGN.md 4 and 5.4); framework-free, explicit process groups.
+"""Topology-aware gradient reduction (docs/reducer.md); framework-free, explicit process groups.
 
 Layers, bottom up:
   groups.py       process groups from a plan (+ discover_plan: topology -> plan on rank 0 -> broadcast)
@@ -6,19 +6,24 @@ Layers, bottom up:
   compression.py  wire dtypes, FP16 integer grid, error feedback
   classes.py      SYNC / LOCAL classes (last N layers, always_sync, importance top fraction)
   importance.py   fisher / magnitude / hutchinson scores
-  buckets.py      flat gradient buckets in reverse registration order
-  reconcile.py    (a)synchronous averaging of LOCAL parameters and optimizer state across groups
+  drift.py        drift of LOCAL replicas at reconciliation, promotion to SYNC
   stats.py        bytes and seconds per tier and class
-  reducer.py      GroupedReducer
+  wire.py         Wire: the engine's collectives, error-feedback residuals by key, comm device
+  engine.py       Engine: the one policy behind every adapter (classes, importance, reconciliation,
+                  drift, adaptive levels, state); the DeepSpeed and Megatron adapters use it too
+  adaptive.py     adaptive levels and regrouping on a degraded slow tier
+  buckets.py      flat gradient buckets in reverse registration order
+  reducer.py      GroupedReducer (buckets from hooks, for any nn.Module)
 """
 
 from .collectives import (CollectiveError, agree_scalar, flat_all_reduce, hierarchical_all_reduce,
                           intra_all_reduce, reconcile_average)
+from .engine import Engine, ParamReconcileSource, ReconcileItem
 from .groups import ReducerGroups, broadcast_plan, build_groups, discover_plan
 from .reducer import ConsistencyError, GroupedReducer
 
 __all__ = [
-    "GroupedReducer", "ConsistencyError",
+    "GroupedReducer", "ConsistencyError", "Engine", "ReconcileItem", "ParamReconcileSource",
     "ReducerGroups", "build_groups", "broadcast_plan", "discover_plan",
     "CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
     "reconcile_average", "agree_scalar",

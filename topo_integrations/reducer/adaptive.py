@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..config import AdaptiveConfig
 from .classes import SYNC
-from .collectives import _run, agree_scalar
+from .collectives import run
 from .compression import wire_dtype
 
 __all__ = ["AdaptiveController", "AdaptivePolicy", "Measurement", "LEVELS", "regroup", "choose_plan",
@@ -169,38 +169,42 @@ class AdaptivePolicy:
 
 
 class AdaptiveController:
-    """Watches a :class:`GroupedReducer` and changes its level (see module docstring).
+    """Watches an :class:`~topo_integrations.reducer.engine.Engine` and changes its level (see module
+    docstring). The engine calls :meth:`after_step` at the end of every optimizer step. ``levels`` are
+    the levels the adapter can apply (the DeepSpeed and Megatron adapters cannot switch to `flat`:
+    their framework owns the data-parallel layout)."""
 
-    The reducer calls :meth:`after_step` at the end of every ``after_optimizer_step``.
-    """
-
-    def __init__(self, reducer, cfg: AdaptiveConfig | None = None, *, planned_inter_gbps: float | None = None,
-                 reconcile_factor: int = 4, probe_bytes: int = 256 * 1024):
-        self.reducer = reducer
-        self.cfg = cfg or reducer.cfg.adaptive
+    def __init__(self, engine, cfg: AdaptiveConfig | None = None, *, planned_inter_gbps: float | None = None,
+                 reconcile_factor: int = 4, probe_bytes: int = 256 * 1024,
+                 levels: tuple[str, ...] = LEVELS):
+        engine = getattr(engine, "engine", engine)  # a GroupedReducer passes its engine
+        self.engine = engine
+        self.cfg = cfg or engine.cfg.adaptive
         self.reconcile_factor = int(reconcile_factor)
         self.probe_numel = max(1, int(probe_bytes) // 4)
-        self.base_mode = reducer.mode
-        self.base_H = reducer._H
-        self.base_inter_dtype = reducer._inter_dtype
-        g = reducer.groups
+        self.base_mode = engine.mode
+        self.base_H = engine.reconcile_interval
+        self.base_inter_dtype = engine.sync_dtype
+        self.allowed = tuple(levels)
+        g = engine.groups
         avail = ["normal"]
         if g.inter is not None and g.inter_size > 1 and self.base_mode != "flat":
-            if self.base_mode == "selective" and reducer._has_local():
+            if self.base_mode == "selective" and engine.has_local() and "reconcile" in levels:
                 avail.append("reconcile")
-            if self.base_inter_dtype != torch.float16:
+            if self.base_inter_dtype != torch.float16 and "fp16" in levels:
                 avail.append("fp16")
-            avail.append("flat")
+            if "flat" in levels:
+                avail.append("flat")
         self.active = len(avail) > 1
         self.policy = AdaptivePolicy(self.cfg, tuple(avail), planned_inter_gbps=planned_inter_gbps)
-        self._saved_classes: dict = {}
+        self.saved_classes: dict = {}
         self.events: list[dict] = []
         """Every change: step, from, to, reason, and the measurement."""
         self.checks: list[dict] = []
         """Every check: step, level, measurement (for tests and plots)."""
         self._last_total = self._inter_totals()
         self._last_t = time.perf_counter()
-        self._last_step = reducer.step
+        self._last_step = engine.step
         # Adaptive regrouping (see _maybe_regroup): a plan must be this much faster (estimated) to be
         # adopted, so measurement noise does not rebuild the groups back and forth.
         self.regroup_margin = 0.2
@@ -217,24 +221,30 @@ class AdaptiveController:
         return self.policy.name
 
     def _inter_totals(self) -> tuple[float, float]:
-        tot = self.reducer.stats_.as_dict()["total"]
+        tot = self.engine.stats_.as_dict()["total"]
         b = sum(tot["bytes"]["inter"][c] for c in ("sync", "local", "reconcile"))
         s = sum(tot["seconds"]["inter"][c] for c in ("sync", "local", "reconcile"))
         return float(b), float(s)
 
     def _probe(self) -> float:
-        """Seconds of one all-reduce of ``probe_numel`` fp32 over my rail (timed, error-wrapped)."""
-        g = self.reducer.groups
-        t = torch.ones(self.probe_numel, device=self.reducer.device)
+        """Seconds of one all-reduce of ``probe_numel`` fp32 over my rail (timed, error-wrapped; on
+        CUDA the device is synchronised so the time is the transfer's)."""
+        e = self.engine
+        g = e.groups
+        t = torch.ones(self.probe_numel, device=e.device)
+        if e.cuda:
+            torch.cuda.synchronize(e.device)
         t0 = time.perf_counter()
-        _run("all_reduce(probe)", "inter", g.inter_low, g, t.numel() * 4, None,
-             lambda: dist.all_reduce(t, group=g.inter_low))
+        run("all_reduce(probe)", "inter", g.inter_low, g, t.numel() * 4, None,
+            lambda: dist.all_reduce(t, group=g.inter_low))
+        if e.cuda:
+            torch.cuda.synchronize(e.device)
         return time.perf_counter() - t0
 
     def after_step(self, optimizer=None) -> None:
         """Measure and decide every ``check_interval`` steps (collective over the DP group then)."""
-        r = self.reducer
-        if r.step % self.cfg.check_interval != 0:
+        e = self.engine
+        if e.step % self.cfg.check_interval != 0:
             return
         if not self.active:
             self._maybe_regroup(optimizer)
@@ -242,13 +252,13 @@ class AdaptiveController:
         now = time.perf_counter()
         b, s = self._inter_totals()
         db, ds = b - self._last_total[0], s - self._last_total[1]
-        steps = max(1, r.step - self._last_step)
+        steps = max(1, e.step - self._last_step)
         step_s = (now - self._last_t) / steps
         probe_s = self._probe() if self.policy.wants_probe() else 0.0
         # Phase 1-2: one SUM all-reduce of [bytes, seconds, step seconds, probe seconds].
-        vec = torch.tensor([db, ds, step_s, probe_s], dtype=torch.float64, device=r.device)
-        tot = agree_scalar(vec, r.groups, "sum", record=r._rec["control"]).cpu().tolist()
-        n = r.groups.dp_size
+        vec = e.wire.tensor([db, ds, step_s, probe_s])
+        tot = e.wire.agree(vec, "sum").cpu().tolist()
+        n = e.groups.dp_size
         m = Measurement(
             inter_gbps=(tot[0] / tot[1] / 1e9) if tot[0] > 0 and tot[1] > 0 else None,
             probe_gbps=(self.probe_numel * 4 * n / tot[3] / 1e9) if tot[3] > 0 else None,
@@ -256,59 +266,52 @@ class AdaptiveController:
         old = self.policy.level
         # Phase 3: the policy; phase 4: position 0's choice is broadcast.
         new, reason = self.policy.decide(m)
-        choice = torch.tensor([new], dtype=torch.int64, device=r.device)
+        choice = e.wire.tensor([new], dtype=torch.int64)
         if n > 1:
-            g = r.groups
-            _run("broadcast(adaptive level)", "dp", g.dp_group, g, 8, None,
-                 lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group))
+            g = e.groups
+            run("broadcast(adaptive level)", "dp", g.dp_group, g, 8, None,
+                lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group))
         new = int(choice.item())
         self.policy.level = new
-        self.checks.append({"step": r.step, "level": self.policy.available[new], "measurement": m.__dict__})
+        self.checks.append({"step": e.step, "level": self.policy.available[new], "measurement": m.__dict__})
         if new != old:
             self._apply(old, new, optimizer)
-            ev = {"step": r.step, "from": self.policy.available[old], "to": self.policy.available[new],
+            ev = {"step": e.step, "from": self.policy.available[old], "to": self.policy.available[new],
                   "reason": reason, "measurement": dict(m.__dict__)}
             self.events.append(ev)
-            if r.groups.position == 0:
-                log.warning("topo_align: adaptive: step %d: %s -> %s: %s", r.step, ev["from"], ev["to"], reason)
+            if e.groups.position == 0:
+                log.warning("topo_align: adaptive: step %d: %s -> %s: %s", e.step, ev["from"], ev["to"], reason)
         # Regrouping only from the configured level: a level change and a regroup in one check would
         # be two adaptations to one measurement (regroup returns the new controller to `normal`).
         if new == 0 and self._maybe_regroup(optimizer):
-            return  # the reducer now has a fresh controller (re-calibrating on the new groups)
+            return  # the engine now has a fresh controller (re-calibrating on the new groups)
         # Measure the next window from here (after the probe and any reconciliation made by _apply).
-        self._last_total = self._inter_totals()
-        self._last_t = time.perf_counter()
-        self._last_step = r.step
+        self.reset_window()
 
     # ------------------------------------------------------------------ applying a level
 
     def _apply(self, old: int, new: int, optimizer, *, reconcile: bool = True) -> None:
-        """Put the reducer at level ``new``. ``reconcile=False`` (restoring a checkpoint) skips the
+        """Put the engine at level ``new``. ``reconcile=False`` (restoring a checkpoint) skips the
         blocking reconciliation before `flat`: the checkpoint was taken in flat, replicas identical."""
         av = self.policy.available
         want = set(av[1:new + 1])  # every level up to `new` is in effect (they accumulate)
-        r = self.reducer
-        if "flat" in want and r.mode != "flat":
-            if r.mode == "selective" and reconcile:
-                r.reconcile(optimizer)  # blocking: replicas identical before one all-reduce keeps them so
-            r.mode = "flat"
-            # Flat is one class: every bucket on the SYNC worker, so the DP-group all-reduces are issued
-            # in one order on every rank (two workers on one group could interleave differently).
-            self._saved_classes = dict(r._classes)
-            r._classes = {n: SYNC for n in r._classes}
-            r._build_buckets()
-        elif "flat" not in want and r.mode != self.base_mode:
-            r.mode = self.base_mode
-            r._classes = self._saved_classes
-            r._build_buckets()  # fresh residuals for the configured wires
-        r._H = self.base_H * self.reconcile_factor if "reconcile" in want else self.base_H
-        dtype = torch.float16 if "fp16" in want else self.base_inter_dtype
-        if dtype != r._inter_dtype:
-            r._inter_dtype = dtype
-            # SYNC residuals follow the wire: created for FP16, dropped when going back (at most one
-            # rounding step of each is lost).
-            for b in r._buckets[SYNC]:
-                b.residual = r._new_residual(b)
+        e = self.engine
+        if "flat" in want and e.mode != "flat":
+            if e.mode == "selective" and reconcile:
+                e.reconcile(e.source)  # blocking: replicas identical before one all-reduce keeps them so
+            self.saved_classes = dict(e.classes)
+            e.reconfigure(mode="flat", classes={n: SYNC for n in e.classes})
+        elif "flat" not in want and e.mode != self.base_mode:
+            classes, self.saved_classes = self.saved_classes, {}
+            e.reconfigure(mode=self.base_mode, classes=classes)
+        e.reconfigure(reconcile_interval=self.base_H * self.reconcile_factor if "reconcile" in want else self.base_H,
+                      sync_dtype=torch.float16 if "fp16" in want else self.base_inter_dtype)
+
+    def restore_base(self) -> None:
+        """Back to the configured level (before a checkpoint's level is applied)."""
+        if self.policy.level != 0:
+            self._apply(self.policy.level, 0, None, reconcile=False)
+            self.policy.level = 0
 
     def state_dict(self) -> dict:
         """Everything needed to continue: the level, references, calibration and run counters, the
@@ -352,7 +355,7 @@ class AdaptiveController:
         """Start the next measurement window now (after loading a checkpoint: its stats and step)."""
         self._last_total = self._inter_totals()
         self._last_t = time.perf_counter()
-        self._last_step = self.reducer.step
+        self._last_step = self.engine.step
 
     # ------------------------------------------------------------------ regrouping trigger
 
@@ -365,15 +368,15 @@ class AdaptiveController:
         from .groups import gather_hostnames_topology
         from .health import probe_groups, tier_gbps
 
-        r = self.reducer
+        r = self.engine
         intra, inter = tier_gbps(probe_groups(r.groups, nbytes=self.probe_numel * 4, iters=2, device=r.device))
-        cands, measured = {"current": r.plan}, {}
+        cands, measured = {"current": r.groups.plan}, {}
         if intra and inter:
             measured["current"] = (intra, inter)
-            n = r.plan.world_size
+            n = r.groups.plan.world_size
             cands["flat"] = plan_groups(gather_hostnames_topology([f"rank{i}" for i in range(n)]))
             measured["flat"] = (min(intra, inter), min(intra, inter))
-            p = r.plan
+            p = r.groups.plan
             if len(p.inter_groups) > 1 and len(p.inter_groups[0]) > 1:
                 cands["transposed"] = dataclasses.replace(
                     p, intra_groups=tuple(tuple(x) for x in p.inter_groups),
@@ -398,20 +401,22 @@ class AdaptiveController:
              so every rank takes the same branch even if its own numbers differed;
           4. when chosen, :func:`regroup` (which broadcasts position 0's plan and rebuilds the groups).
         """
-        r = self.reducer
+        r = self.engine
+        if not r.can_regroup:
+            return False  # the framework owns the data-parallel layout (DeepSpeed, Megatron adapters)
         g = r.groups
         if len(g.dp_ranks) != dist.get_world_size():
             return False  # regroup() only handles a DP group spanning the world
-        if self.regroup_source is None and not r.plan.hierarchical:
+        if self.regroup_source is None and not g.plan.hierarchical:
             return False  # nothing to compare without a second tier to probe
         cands, measured = (self.regroup_source or type(self)._default_regroup_source)(self)
         names = sorted(cands)
         best, est = choose_plan(cands, r.cfg.communication.bucket_size_mb * 1024 * 1024, measured)
         cur = est["current"]
         pick = best if best != "current" and est[best] <= (1.0 - self.regroup_margin) * cur else None
-        choice = torch.tensor([names.index(pick) if pick else -1], dtype=torch.int64, device=r.device)
+        choice = r.wire.tensor([names.index(pick) if pick else -1], dtype=torch.int64)
         if g.dp_size > 1:
-            _run("broadcast(regroup choice)", "dp", g.dp_group, g, 8, None,
+            run("broadcast(regroup choice)", "dp", g.dp_group, g, 8, None,
                  lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group))
         idx = int(choice.item())
         pick = names[idx] if 0 <= idx < len(names) else None
@@ -452,49 +457,49 @@ def choose_plan(candidates: dict, nbytes: float, measured: dict) -> tuple[str, d
     return best, est
 
 
-def regroup(reducer, plan, optimizer=None, *, reason: str = "") -> None:
-    """Rebuild ``reducer``'s groups from ``plan`` at a reconciliation boundary; every rank agrees.
+def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
+    """Rebuild the engine's groups from ``plan`` at a reconciliation boundary; every rank agrees.
 
     Collective over the default group (every rank of the job calls it, at the same step):
       1. blocking reconciliation (`selective`): every replica identical, nothing in flight;
       2. DP position 0's plan is broadcast over the DP group (the one every rank uses);
       3. ``build_groups`` on every rank, in one fixed order (same timeout as before);
-      4. the reducer switches to the new groups: mode (flat when the new plan has one tier), buckets
-         padded for the new intra size, error-feedback residuals restarted; the adaptive controller
-         re-calibrates.
+      4. ``engine.reconfigure``: new groups, mode (flat when the new plan has one tier), configured
+         classes, interval and wire; the adapter's listener rebuilds its buckets; the adaptive
+         controller re-calibrates.
     The old groups are not destroyed (a live communicator may still be referenced by a framework).
-    Only a reducer whose data-parallel group is the whole world can be regrouped here.
+    Only an engine whose data-parallel group is the whole world can be regrouped here.
+    ``engine`` may be a GroupedReducer (its engine is used).
     """
     from .groups import broadcast_plan, build_groups
 
-    g = reducer.groups
+    engine = getattr(engine, "engine", engine)
+    g = engine.groups
     if len(g.dp_ranks) != dist.get_world_size():
         raise ValueError("topo_align: regroup needs the data-parallel group to be the whole world "
                          f"({len(g.dp_ranks)} of {dist.get_world_size()} ranks)")
-    if reducer.mode == "selective":
-        reducer.reconcile(optimizer)
+    if engine.mode == "selective":
+        engine.reconcile(engine.source)
     plan = broadcast_plan(plan if g.position == 0 else None, g.dp_group, src=g.dp_ranks[0])
-    new = build_groups(plan, timeout_s=reducer.cfg.fallback.timeout_s)
-    old_desc = [list(x) for x in reducer.plan.intra_groups]
-    reducer.groups, reducer.plan = new, plan
-    reducer.mode = reducer.cfg.mode if plan.hierarchical else "flat"
-    ctrl = getattr(reducer, "adaptive", None)
-    if ctrl is not None and getattr(ctrl, "_saved_classes", None):
-        reducer._classes = ctrl._saved_classes
-        ctrl._saved_classes = {}
-    reducer._H = reducer.cfg.local.reconcile_interval
-    reducer._inter_dtype = wire_dtype(reducer.cfg.sync.dtype if reducer.mode == "selective"
-                                      else reducer.cfg.communication.inter_dtype)
-    if reducer.mode != "selective":
-        reducer._classes = {n: SYNC for n in reducer._classes}
-    reducer._build_buckets()
+    new = build_groups(plan, timeout_s=engine.cfg.fallback.timeout_s)
+    new.device = engine.device
+    old_desc = [list(x) for x in g.plan.intra_groups]
+    cfg = engine.cfg
+    ctrl = engine.adaptive
+    classes = dict(ctrl.saved_classes) if ctrl is not None and ctrl.saved_classes else dict(engine.classes)
+    mode = cfg.mode if plan.hierarchical else "flat"
+    if mode != "selective":
+        classes = {n: SYNC for n in classes}
+    engine.reconfigure(groups=new, mode=mode, classes=classes, reconcile_interval=cfg.local.reconcile_interval,
+                       sync_dtype=wire_dtype(cfg.sync.dtype if mode == "selective" else cfg.communication.inter_dtype))
     if ctrl is not None:
-        reducer.adaptive = AdaptiveController(reducer, ctrl.cfg)
-        reducer.adaptive.regroup_margin = ctrl.regroup_margin
-        reducer.adaptive.regroup_source = ctrl.regroup_source
-        reducer.adaptive.regroup_decisions = list(ctrl.regroup_decisions)
-        reducer.adaptive.events = ctrl.events + [{"step": reducer.step, "from": "groups", "to": "regrouped",
-                                                  "reason": reason, "measurement": {}}]
+        fresh = AdaptiveController(engine, ctrl.cfg, levels=ctrl.allowed)
+        fresh.regroup_margin = ctrl.regroup_margin
+        fresh.regroup_source = ctrl.regroup_source
+        fresh.regroup_decisions = list(ctrl.regroup_decisions)
+        fresh.events = ctrl.events + [{"step": engine.step, "from": "groups", "to": "regrouped",
+                                       "reason": reason, "measurement": {}}]
+        engine.adaptive = fresh
     if new.position == 0:
-        log.warning("topo_align: adaptive: step %d: regrouped from intra groups %s to %s%s", reducer.step,
+        log.warning("topo_align: adaptive: step %d: regrouped from intra groups %s to %s%s", engine.step,
                     old_desc, [list(x) for x in plan.intra_groups], f": {reason}" if reason else "")

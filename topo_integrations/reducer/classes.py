@@ -93,19 +93,26 @@ def matches_any(name: str, patterns: Iterable[str]) -> bool:
 
 
 def classify(names: list[str], numels: list[int], *, last_n_layers: int, always_sync: list[str],
-             top_fraction: float, scores: list[float] | None, layers: dict[str, int | None]) -> dict[str, str]:
+             top_fraction: float, scores: list[float] | None, layers: dict[str, int | None],
+             num_layers: int | None = None, exact_names: Iterable[str] = ()) -> dict[str, str]:
     """name -> SYNC | LOCAL.
 
-    SYNC = parameters of the last ``last_n_layers`` layer indices + names matching ``always_sync``
+    SYNC = parameters of the last ``last_n_layers`` layer indices (of ``num_layers`` when given, else of
+    the indices present) + names matching ``always_sync`` + ``exact_names``
     + the highest-scoring other tensors, greedily (highest score first, ties by name; a tensor that
     does not fit is skipped) while their elements stay within ``top_fraction`` of all elements.
     """
     idx = sorted({i for i in layers.values() if i is not None})
-    last = set(idx[-last_n_layers:]) if last_n_layers > 0 else set()
+    if num_layers is not None:
+        # Global indices (pipeline parallelism): the last N of the whole model, not of this stage.
+        last = set(range(num_layers - last_n_layers, num_layers)) if last_n_layers > 0 else set()
+    else:
+        last = set(idx[-last_n_layers:]) if last_n_layers > 0 else set()
+    exact = set(exact_names)
     out = {}
     for n in names:
         li = layers.get(n)
-        out[n] = SYNC if (li is not None and li in last) or matches_any(n, always_sync) else LOCAL
+        out[n] = SYNC if (li is not None and li in last) or n in exact or matches_any(n, always_sync) else LOCAL
     total = sum(numels)
     budget = top_fraction * total
     if top_fraction >= 1.0:

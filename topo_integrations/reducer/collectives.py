@@ -24,7 +24,7 @@ from .compression import wire_dtype as _as_dtype
 from .groups import ReducerGroups
 
 __all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
-           "reconcile_average", "agree_scalar", "padded_numel"]
+           "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device"]
 
 Record = Callable[[str, int, float], None] | None
 
@@ -42,7 +42,15 @@ def padded_numel(n: int, k: int) -> int:
     return -(-n // k) * k if k > 1 else n
 
 
-def _run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: Record, fn):
+def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: Record, fn):
+    """Issue one collective ``fn()``: failures become :class:`CollectiveError` naming op, group and
+    ranks; ``record(tier, nbytes, seconds)`` books it. On CUDA the seconds are the device time between
+    two events around the call (resolved by Stats at the end of the step), not the enqueue time."""
+    dev = getattr(groups, "device", None)
+    cuda = dev is not None and dev.type == "cuda"
+    if cuda and record is not None:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
     t0 = time.perf_counter()
     try:
         out = fn()
@@ -54,8 +62,22 @@ def _run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: 
             f"(this is global rank {groups.dp_ranks[groups.position]}): {type(exc).__name__}: {exc}"
         ) from exc
     if record is not None:
-        record(tier, nbytes, time.perf_counter() - t0)
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            record(tier, nbytes, (start, end))
+        else:
+            record(tier, nbytes, time.perf_counter() - t0)
     return out
+
+
+def check_device(t: torch.Tensor, groups: ReducerGroups, what: str) -> None:
+    """Every tensor handed to a collective lives on the communication device (``groups.device``):
+    NCCL cannot reduce a host tensor, and a silent copy would hide the cost."""
+    dev = getattr(groups, "device", None)
+    if dev is not None and t.device != dev:
+        raise ValueError(f"topo_align: {what} was given a tensor on {t.device}; the communication device of "
+                         f"these groups is {dev} (make control tensors with Wire.tensor)")
 
 
 def _group_size(group) -> int:
@@ -85,7 +107,7 @@ def flat_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, average: bool = T
 
     Phases: 1. all-reduce SUM over ``groups.dp_group``; 2. divide by the group size when averaging.
     """
-    _check(t, "flat_all_reduce")
+    _check(t, "flat_all_reduce", groups)
     n = groups.dp_size
 
     def finish():
@@ -94,11 +116,11 @@ def flat_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, average: bool = T
         return t
 
     if async_op:
-        work = _run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
+        work = run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
                     lambda: dist.all_reduce(t, group=groups.dp_group, async_op=True))
         return _Pending(work, finish)
     if n > 1:
-        _run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
+        run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
              lambda: dist.all_reduce(t, group=groups.dp_group))
     return finish()
 
@@ -114,27 +136,27 @@ def _lossy_all_reduce(v: torch.Tensor, wire: torch.dtype, residual, group, tier:
     scale = None
     if needs_scale(wire):
         amax = v.abs().max().reshape(1).float() if v.numel() else torch.zeros(1, device=v.device)
-        _run("all_reduce(MAX amax)", tier, group, groups, 4, record,
+        run("all_reduce(MAX amax)", tier, group, groups, 4, record,
              lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group))
         scale = choose_scale(amax, wire, n_contrib)
     q = quantize(v, wire, scale, residual, grid=uses_grid(wire, n_contrib))
-    _run("all_reduce", tier, group, groups, q.numel() * q.element_size(), record,
+    run("all_reduce", tier, group, groups, q.numel() * q.element_size(), record,
          lambda: dist.all_reduce(q, group=group))
     out = q.to(v.dtype)
     return out / scale if scale is not None else out
 
 
-def _hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
+def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
     """All-reduce SUM of ``x`` over ``group`` with wire dtype ``wire``; writes and returns ``x``."""
     if n_contrib <= 1:
         return x
     if wire == x.dtype:
-        _run("all_reduce", tier, group, groups, x.numel() * x.element_size(), record,
+        run("all_reduce", tier, group, groups, x.numel() * x.element_size(), record,
              lambda: dist.all_reduce(x, group=group))
         return x
     if not is_lossy(x.dtype, wire):  # widening (bf16 -> fp32): exact cast, no feedback needed
         w = x.to(wire)
-        _run("all_reduce", tier, group, groups, w.numel() * w.element_size(), record,
+        run("all_reduce", tier, group, groups, w.numel() * w.element_size(), record,
              lambda: dist.all_reduce(w, group=group))
         x.copy_(w)
         return x
@@ -145,7 +167,9 @@ def _hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, reco
     return x
 
 
-def _check(t: torch.Tensor, what: str) -> None:
+def _check(t: torch.Tensor, what: str, groups: ReducerGroups | None = None) -> None:
+    if groups is not None:
+        check_device(t, groups, what)
     # A non-contiguous tensor would be reduced in a temporary copy and the result lost.
     if not t.is_contiguous():
         raise ValueError(f"topo_align: {what} needs a contiguous tensor (got shape {tuple(t.shape)}, "
@@ -175,7 +199,7 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
       3. divide the shard by L*K when averaging; all-gather the shards inside the intra group.
     Works for any float dtype; ``t`` must be contiguous.
     """
-    _check(t, "hierarchical_all_reduce")
+    _check(t, "hierarchical_all_reduce", groups)
     inter_dtype = _as_dtype(inter_dtype)
     L, K = groups.intra_size, groups.inter_size
     intra = groups.intra_low if low_priority else groups.intra
@@ -183,17 +207,17 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
     buf = _padded(t, L)
     if L > 1:
         shard = torch.empty(buf.numel() // L, dtype=buf.dtype, device=buf.device)
-        _run("reduce_scatter", "intra", intra, groups, buf.numel() * buf.element_size(), record,
+        run("reduce_scatter", "intra", intra, groups, buf.numel() * buf.element_size(), record,
              lambda: dist.reduce_scatter_tensor(shard, buf, group=intra))
     else:
         shard = buf
     if residual is not None and residual.numel() != shard.numel():
         raise ValueError(f"topo_align: residual has {residual.numel()} elements; the shard has {shard.numel()}")
-    _hop(shard, inter_dtype, residual, inter, "inter", groups, record, K)
+    hop(shard, inter_dtype, residual, inter, "inter", groups, record, K)
     if average and L * K > 1:
         shard.div_(L * K)
     if L > 1:
-        _run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
+        run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
              lambda: _all_gather(buf, shard, group=intra))
     if buf.data_ptr() != t.data_ptr():
         t.reshape(-1).copy_(buf[: t.numel()])
@@ -209,12 +233,12 @@ def intra_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, wire_dtype: torc
     ``wire_dtype`` (error feedback into ``residual``, same shape as ``t``, when lossy);
     3. divide by L when averaging.
     """
-    _check(t, "intra_all_reduce")
+    _check(t, "intra_all_reduce", groups)
     wire = _as_dtype(wire_dtype)
     L = groups.intra_size
     group = groups.intra_low if low_priority else groups.intra
     flat = t.reshape(-1)
-    _hop(flat, wire, residual.reshape(-1) if residual is not None else None, group, "intra", groups, record, L)
+    hop(flat, wire, residual.reshape(-1) if residual is not None else None, group, "intra", groups, record, L)
     if average and L > 1:
         flat.div_(L)
     return t
@@ -229,7 +253,7 @@ def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: b
             3. all-gather the slices inside the intra group.
     The slow tier carries 1/L of ``t`` per rank.
     """
-    _check(t, "reconcile_average")
+    _check(t, "reconcile_average", groups)
     L, K = groups.intra_size, groups.inter_size
     if K <= 1:
         return t
@@ -238,11 +262,11 @@ def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: b
     buf = _padded(t, L)
     m = buf.numel() // L
     chunk = buf[groups.intra_rank * m:(groups.intra_rank + 1) * m].clone()
-    _run("all_reduce", "inter", inter, groups, chunk.numel() * chunk.element_size(), record,
+    run("all_reduce", "inter", inter, groups, chunk.numel() * chunk.element_size(), record,
          lambda: dist.all_reduce(chunk, group=inter))
     chunk.div_(K)
     if L > 1:
-        _run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
+        run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
              lambda: _all_gather(buf, chunk, group=intra))
     else:
         buf.copy_(chunk)
@@ -251,16 +275,38 @@ def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: b
     return t
 
 
-def agree_scalar(x: torch.Tensor, groups: ReducerGroups, op: str = "sum", *, record: Record = None) -> torch.Tensor:
-    """SUM or MAX of ``x`` over the whole data-parallel group; every rank gets the same value.
+def reduce_scatter(out: torch.Tensor, t: torch.Tensor, groups: ReducerGroups, *, record: Record = None):
+    """Reduce-scatter SUM of ``t`` inside my intra group into ``out`` (member i gets chunk i).
 
-    Phases: one all-reduce over ``groups.dp_group`` of a copy of ``x`` (``x`` is not modified).
+    Phases: one ``reduce_scatter_tensor`` over ``groups.intra``; a group of one copies.
+    """
+    _check(t, "reduce_scatter", groups)
+    check_device(out, groups, "reduce_scatter")
+    if groups.intra_size == 1:
+        out.copy_(t.reshape(-1)[: out.numel()])
+        return out
+    run("reduce_scatter", "intra", groups.intra, groups, t.numel() * t.element_size(), record,
+        lambda: dist.reduce_scatter_tensor(out, t, group=groups.intra))
+    return out
+
+
+def agree_scalar(x: torch.Tensor, groups: ReducerGroups, op: str = "sum", *, over: str = "dp",
+                 record: Record = None) -> torch.Tensor:
+    """SUM or MAX of ``x`` over the whole data-parallel group (``over="dp"``) or over my rail
+    (``over="inter"``, when the groups already agree inside); every rank gets the same value.
+
+    Phases: one all-reduce over the group of a copy of ``x`` (``x`` is not modified).
     """
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
     if op not in ops:
         raise ValueError(f"agree_scalar: op = {op!r}; expected 'sum' or 'max'")
+    if over not in ("dp", "inter"):
+        raise ValueError(f"agree_scalar: over = {over!r}; expected 'dp' or 'inter'")
+    check_device(x, groups, f"agree_scalar({op})")
     y = x.detach().clone()
-    if groups.dp_size > 1:
-        _run(f"all_reduce({op.upper()})", "dp", groups.dp_group, groups, y.numel() * y.element_size(), record,
-             lambda: dist.all_reduce(y, op=ops[op], group=groups.dp_group))
+    group, size, tier = ((groups.dp_group, groups.dp_size, "dp") if over == "dp"
+                         else (groups.inter, groups.inter_size, "inter"))
+    if size > 1:
+        run(f"all_reduce({op.upper()})", tier, group, groups, y.numel() * y.element_size(), record,
+            lambda: dist.all_reduce(y, op=ops[op], group=group))
     return y

@@ -25,25 +25,10 @@ import math
 
 import torch
 
-from .collectives import agree_scalar
 
-__all__ = ["DriftMonitor", "param_segments"]
+__all__ = ["DriftMonitor"]
 
 log = logging.getLogger("topo_align")
-
-
-def param_segments(keys: list[tuple], numels: dict[str, int]) -> list[tuple[str, int, int]]:
-    """(name, offset, numel) of every ("param", name) entry of a reconciliation flat vector.
-
-    ``keys`` is the order of `reconcile.keys_for`: parameters first, then optimizer state, so the
-    parameter segments start at offset 0. State entries are skipped (they carry their own numel)."""
-    out, off = [], 0
-    for k in keys:
-        n = numels[k[1]]
-        if k[0] == "param":
-            out.append((k[1], off, n))
-        off += n
-    return out
 
 
 class DriftMonitor:
@@ -68,33 +53,39 @@ class DriftMonitor:
 
     # ------------------------------------------------------------------ measuring
 
-    def measure(self, keys: list[tuple], before: torch.Tensor, after: torch.Tensor, numels: dict[str, int],
-                groups, step: int, *, record=None) -> dict[str, float]:
+    def measure_segments(self, segs: list[tuple[str, int, int]], before: torch.Tensor, after: torch.Tensor,
+                         wire, step: int) -> dict[str, float]:
         """Agreed relative drift per LOCAL parameter of one reconciliation; logs a summary.
 
-        ``before`` is this rank's flat vector before averaging (its group's replica), ``after`` the
-        cross-group average (equal on all ranks). Phases: 1. per tensor, the local squared distance
-        ``||before - after||^2`` and ``||after||^2`` in fp64; 2. one SUM all-reduce of both vectors
-        over the data-parallel group (``agree_scalar``); 3. divide by the DP size and form the ratio.
-        Collective over the DP group: every rank must call it at the same reconciliation.
+        ``segs``: (parameter name, offset, numel) of the flat vectors' parameter values; a name may
+        have several segments, and on a partitioned optimizer each rank holds only part of a tensor
+        (the sums over ranks are then over the whole tensor, the ratio is unchanged). ``before`` is
+        this rank's values before averaging (its group's replica), ``after`` the cross-group average.
+        Phases: 1. per name, the local ``||before - after||^2`` and ``||after||^2`` in fp64;
+        2. one SUM all-reduce of both vectors over the data-parallel group (``wire.agree``); 3. ratio.
+        Collective over the DP group: every rank must call it at the same reconciliation, with the
+        same names (ranks holding no part of a tensor contribute zeros).
         """
-        segs = param_segments(keys, numels)
-        if not segs:
+        names = sorted({n for n, _, _ in segs})
+        if not names:
             return {}
-        dev = torch.empty(2 * len(segs), dtype=torch.float64, device=before.device)
-        for i, (_, off, n) in enumerate(segs):
+        pos = {n: i for i, n in enumerate(names)}
+        dev = torch.zeros(2 * len(names), dtype=torch.float64, device=before.device)
+        for name, off, n in segs:
             b = before[off:off + n].double()
             a = after[off:off + n].double()
-            dev[i] = (b - a).pow(2).sum()
-            dev[len(segs) + i] = a.pow(2).sum()
-        agreed = (agree_scalar(dev, groups, "sum", record=record) / groups.dp_size).cpu().tolist()
+            dev[pos[name]] += (b - a).pow(2).sum()
+            dev[len(names) + pos[name]] += a.pow(2).sum()
+        agreed = wire.agree(dev, "sum").cpu().tolist()
         drift = {}
-        for i, (name, _, _) in enumerate(segs):
-            ref = agreed[len(segs) + i]
+        for i, name in enumerate(names):
+            ref = agreed[len(names) + i]
             drift[name] = math.sqrt(agreed[i]) / math.sqrt(ref) if ref > 0 else (0.0 if agreed[i] == 0 else math.inf)
         self.last = drift
         self.last_step = step
-        weights = {name: n for name, _, n in segs}
+        weights: dict[str, int] = {}
+        for name, _, n in segs:
+            weights[name] = weights.get(name, 0) + n
         total = sum(weights.values())
         mx = max(drift.values())
         mean = sum(drift[n] * weights[n] for n in drift) / total if total else 0.0

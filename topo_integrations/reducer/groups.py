@@ -72,6 +72,9 @@ class ReducerGroups:
     timeout_s: float | None = None
     names: dict = field(default_factory=dict)
     """id(group) -> human-readable description, for error messages."""
+    device: Any = None
+    """The communication device: every tensor handed to a collective on these groups lives there
+    (set by the engine: the CUDA device with NCCL, the CPU with gloo)."""
 
     @property
     def hierarchical(self) -> bool:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..doctor import Finding, check_ib
-from .collectives import _run
+from .collectives import run as _run
 from .groups import ReducerGroups
 
 __all__ = ["ProbeResult", "probe_groups", "check_probe", "check_gpu_links", "start_of_run_check",

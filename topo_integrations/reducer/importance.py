@@ -22,81 +22,89 @@ __all__ = ["Importance"]
 
 
 class Importance:
-    def __init__(self, method: str, ema_decay: float, params: list[torch.Tensor],
-                 loss_closure: Callable[[], torch.Tensor] | None = None):
+    """Per-tensor scores by name: the fisher EMA (fed by :meth:`observe`), plus the stateless
+    magnitude and hutchinson estimates computed at refresh time."""
+
+    def __init__(self, method: str, ema_decay: float, names: list[str], *, device="cpu"):
         if method not in ("fisher", "magnitude", "hutchinson"):
             raise ValueError(f"importance.method = {method!r}; expected 'fisher', 'hutchinson' or 'magnitude'")
-        if method == "hutchinson" and loss_closure is None:
-            raise ValueError("importance.method = 'hutchinson' needs a loss closure: "
-                             "GroupedReducer(..., loss_closure=lambda: loss_fn(model(batch)))")
         self.method = method
         self.decay = ema_decay
-        self.params = params
-        self.closure = loss_closure
-        dev = params[0].device if params else torch.device("cpu")
-        self.ema = torch.zeros(len(params), dtype=torch.float32, device=dev)
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.ema = torch.zeros(len(self.names), dtype=torch.float32, device=device)
+        self.seen = torch.zeros(len(self.names), dtype=torch.bool, device=device)
         self.updates = 0
         self.hutchinson_seed = 0
 
     @staticmethod
     def magnitude(params: list[torch.Tensor]) -> torch.Tensor:
+        """Mean squared parameter value per tensor (fp32)."""
         return torch.stack([p.detach().float().pow(2).mean() if p.numel() else p.new_zeros((), dtype=torch.float32)
                             for p in params]) if params else torch.zeros(0)
 
-    def update_from_grads(self) -> None:
-        """Fisher EMA from the reduced gradients now in ``p.grad``."""
-        if self.method != "fisher" or not self.params:
-            return
-        grads = [p.grad.detach() if p.grad is not None else p.detach().new_zeros(1) for p in self.params]
-        # one fused norm kernel per dtype group instead of a kernel per tensor
-        # (norms accumulated in fp32: an fp16 gradient's norm can exceed 65504)
+    @staticmethod
+    def grad_sq_sums(params: list[torch.Tensor]) -> torch.Tensor:
+        """Squared norm of each ``p.grad`` (0 without a gradient), fp32, in one fused kernel per dtype."""
+        if not params:
+            return torch.zeros(0)
+        grads = [p.grad.detach() if p.grad is not None else p.detach().new_zeros(1) for p in params]
+        # accumulated in fp32: an fp16 gradient's norm can exceed 65504
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        numel = torch.tensor([max(1, g.numel()) for g in grads], dtype=torch.float32, device=self.ema.device)
-        sq = torch.stack([n.float() for n in norms]).to(self.ema.device).pow(2) / numel
-        sq = torch.where(torch.tensor([p.grad is not None for p in self.params], device=self.ema.device), sq,
-                         torch.zeros_like(sq))
-        if self.updates == 0:
-            self.ema.copy_(sq)
-        else:
-            self.ema.mul_(self.decay).add_(sq, alpha=1.0 - self.decay)
+        has = torch.tensor([p.grad is not None for p in params], device=norms[0].device)
+        sq = torch.stack([n.float() for n in norms]).pow(2)
+        return torch.where(has, sq, torch.zeros_like(sq))
+
+    def observe(self, names: list[str], sq_sums: torch.Tensor, numels: list[int]) -> None:
+        """Fold squared gradient sums of ``names`` (per element: divided by ``numels``) into the EMA;
+        a tensor's first observation sets its EMA."""
+        idx = torch.tensor([self.index[n] for n in names], device=self.ema.device)
+        per_el = sq_sums.float().to(self.ema.device) / torch.tensor([max(1, k) for k in numels],
+                                                                    dtype=torch.float32, device=self.ema.device)
+        old = self.ema[idx]
+        new = torch.where(self.seen[idx], self.decay * old + (1.0 - self.decay) * per_el, per_el)
+        self.ema[idx] = new
+        self.seen[idx] = True
         self.updates += 1
 
-    def hutchinson(self) -> torch.Tensor:
+    def next_seed(self) -> int:
+        self.hutchinson_seed += 1
+        return self.hutchinson_seed - 1
+
+    @staticmethod
+    def hutchinson(params: list[torch.Tensor], closure: Callable[[], torch.Tensor], *, seed: int = 0) -> torch.Tensor:
         """mean |v * Hv| per tensor from one Hessian-vector product on the loss closure."""
-        params = [p for p in self.params]
         # Fused scaled-dot-product attention kernels (flash, and the CPU one) have no second
         # derivative; the math kernel does, so the closure runs with it for the HVP.
         with sdpa_kernel(SDPBackend.MATH):
-            loss = self.closure()
+            loss = closure()
+        if not torch.is_tensor(loss) or not loss.is_floating_point():
+            raise TypeError(f"topo_align: the hutchinson loss closure returned {type(loss).__name__}; expected a "
+                            "floating-point tensor")
+        loss = loss.float().mean() if loss.numel() != 1 else loss.reshape(())
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-        used = [i for i, g in enumerate(grads) if g is not None]
-        gen = torch.Generator(device="cpu").manual_seed(1234 + self.hutchinson_seed)
-        self.hutchinson_seed += 1
+        used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        gen = torch.Generator(device="cpu").manual_seed(1234 + seed)
         vs = [(torch.randint(0, 2, params[i].shape, generator=gen) * 2 - 1).to(params[i].dtype).to(params[i].device)
               for i in used]
         hv = torch.autograd.grad([grads[i] for i in used], [params[i] for i in used], grad_outputs=vs,
-                                 allow_unused=True)
-        out = torch.zeros(len(params), dtype=torch.float32, device=self.ema.device)
+                                 allow_unused=True) if used else []
+        dev = params[0].device if params else torch.device("cpu")
+        out = torch.zeros(len(params), dtype=torch.float32, device=dev)
         for j, i in enumerate(used):
             if hv[j] is not None and params[i].numel():
                 out[i] = (vs[j] * hv[j]).detach().float().abs().mean()
         return out
 
-    def local_scores(self) -> torch.Tensor:
-        """This rank's scores (to be averaged over the data-parallel group)."""
-        if self.method == "magnitude":
-            return self.magnitude(self.params)
-        if self.method == "hutchinson":
-            return self.hutchinson()
-        return self.ema.clone()
-
     def state_dict(self) -> dict:
-        return {"method": self.method, "ema": self.ema.detach().clone().cpu(), "updates": self.updates,
+        return {"method": self.method, "names": list(self.names), "ema": self.ema.detach().clone().cpu(),
+                "seen": self.seen.detach().clone().cpu(), "updates": self.updates,
                 "hutchinson_seed": self.hutchinson_seed}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["ema"].numel() != self.ema.numel():
             raise ValueError(f"importance state has {sd['ema'].numel()} tensors; this model has {self.ema.numel()}")
         self.ema.copy_(sd["ema"].to(self.ema.device))
+        self.seen.copy_(sd.get("seen", torch.ones_like(self.seen)).to(self.seen.device))
         self.updates = int(sd["updates"])
         self.hutchinson_seed = int(sd.get("hutchinson_seed", 0))

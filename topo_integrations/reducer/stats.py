@@ -10,7 +10,9 @@ Bytes are payload bytes: the size of the tensor this rank hands to each collecti
 tensor; reduce-scatter: the full input; all-gather: the full output). A ring moves 2(p-1)/p of that
 per rank for an all-reduce and (p-1)/p for reduce-scatter / all-gather (docs/reducer.md).
 Seconds are the wall time of the (blocking) collective calls in the thread that ran them; on CUDA
-with NCCL the calls return once enqueued, so seconds there measure enqueueing, not transfer.
+the recorder receives a pair of CUDA events around the call instead and the seconds are the device
+time between them, resolved when the step closes (NCCL calls return once enqueued, so a host timer
+would measure enqueueing, and adaptive decisions on it would be meaningless).
 """
 
 from __future__ import annotations
@@ -42,23 +44,35 @@ class Stats:
         self._cur = _zero()
         self._last = _zero()
         self._total = _zero()
+        self._events: list = []
         self.steps = 0
+
+    def _resolve(self) -> None:
+        """Turn pending CUDA event pairs into seconds (waits for those collectives to finish)."""
+        for tier, cls, (start, end) in self._events:
+            end.synchronize()
+            self._cur["seconds"][tier][cls] += start.elapsed_time(end) / 1000.0
+        self._events = []
 
     def recorder(self, cls: str) -> Callable[[str, int, float], None]:
         if cls not in CLASSES:
             raise ValueError(f"stats class {cls!r}; expected one of {CLASSES}")
 
-        def record(tier: str, nbytes: int, seconds: float) -> None:
+        def record(tier: str, nbytes: int, seconds) -> None:
             with self._lock:
                 self._cur["bytes"][tier][cls] += int(nbytes)
                 self._cur["calls"][tier][cls] += 1
-                self._cur["seconds"][tier][cls] += float(seconds)
+                if isinstance(seconds, tuple):  # (start, end) CUDA events: resolved at end_step
+                    self._events.append((tier, cls, seconds))
+                else:
+                    self._cur["seconds"][tier][cls] += float(seconds)
 
         return record
 
     def end_step(self) -> None:
         """Close the current step's window (called by after_optimizer_step)."""
         with self._lock:
+            self._resolve()
             _add(self._total, self._cur)
             self._last = self._cur
             self._cur = _zero()
@@ -68,6 +82,7 @@ class Stats:
         import copy
 
         with self._lock:
+            self._resolve()
             total = copy.deepcopy(self._total)
             _add(total, self._cur)  # include traffic of the step in progress
             return {"steps": self.steps, "step": copy.deepcopy(self._last), "total": total}

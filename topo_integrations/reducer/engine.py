@@ -1,0 +1,585 @@
+"""The selective engine: one policy and one wire behind GroupedReducer, DeepSpeed and Megatron.
+
+An adapter owns the framework's buffers (GroupedReducer: its buckets; DeepSpeed: the engine's flat
+buckets or the ZeRO partition; Megatron: the bucket groups and the optimizer's main shards) and
+asks the engine everything else:
+
+* **classes** -- which tensors are SYNC and which LOCAL (``engine.classes``), recomputed from agreed
+  importance every ``importance.refresh_interval`` steps, right after a blocking reconciliation, plus
+  drift promotions; adapters rebuild their layout in a listener (:meth:`Engine.on_reconfigure`);
+* **wire** -- every collective, with the one error-feedback scheme (``engine.wire``, wire.py);
+* **importance** -- per-tensor scores the adapter feeds with :meth:`Engine.observe` (fisher) or
+  that are computed at refresh (magnitude; hutchinson from a loss closure);
+* **reconciliation** -- every ``local.reconcile_interval`` optimizer steps the LOCAL tensors the
+  adapter lists (:class:`ReconcileItem`) are averaged across groups, blocking or asynchronously
+  (snapshot now, correction ``x += avg(snapshot) - snapshot`` one step later);
+* **drift**, **adaptive** levels, **state** (``state_dict``) and **stats**.
+
+Ordering rule (the dual-priority pipeline, docs/reducer.md): every communicator is driven by one
+thread. SYNC collectives use ``groups.intra`` / ``groups.inter`` from the SYNC worker (or the caller's
+thread when no worker runs); LOCAL gradient collectives and reconciliation use ``groups.intra_low`` /
+``groups.inter_low`` from the LOCAL worker only (:meth:`Engine.submit` / :meth:`Engine.run`), which is
+FIFO, so they reach every rank's communicator in the same order; control scalars use the DP group from
+the caller's thread. Two threads never issue on one communicator, so no rank-dependent interleaving
+(which deadlocks NCCL) can occur.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..config import ConfigError, TopoAlignConfig
+from .classes import LOCAL, SYNC, classify
+from .compression import wire_dtype
+from .drift import DriftMonitor
+from .importance import Importance
+from .stats import Stats
+from .wire import Wire
+
+__all__ = ["Engine", "ReconcileItem", "ReconcileSource", "ParamReconcileSource", "ENGINE_STATE_FORMAT"]
+
+log = logging.getLogger("topo_align")
+
+ENGINE_STATE_FORMAT = "topo-align/engine/v1"
+
+
+@dataclass
+class ReconcileItem:
+    """One tensor to average across groups at a reconciliation."""
+
+    key: str
+    """Stable identifier (same on every rank and at every reconciliation of the same classes)."""
+    tensor: torch.Tensor
+    """Written in place (a view into the framework's storage is fine)."""
+    shard: bool = False
+    """True for a partition that differs per rank inside a group (ZeRO / distributed optimizer): the
+    same partition of every group is averaged over the rail. False for a tensor that is identical
+    inside the group: each member averages 1/L of it over the rail, then the group all-gathers."""
+    param: str | None = None
+    """The parameter whose values (or a slice of them) this is; drift is measured on these."""
+    nonneg: bool = False
+    """A second moment: clamped at 0 after an asynchronous correction."""
+
+
+class ReconcileSource(Protocol):
+    """What an adapter gives the engine to reconcile."""
+
+    def items(self, local: list[str]) -> list[ReconcileItem]:
+        """The tensors of the LOCAL parameters ``local`` (and their optimizer state), in a fixed order."""
+
+    def written(self) -> None:
+        """Called after the items were changed (e.g. copy fp32 masters to the model, re-gather)."""
+
+
+def _is_second_moment(key: str) -> bool:
+    return "sq" in key or key in ("sum", "square_avg")
+
+
+class ParamReconcileSource:
+    """Parameters that are full tensors on every rank, plus the torch optimizer state of their shape."""
+
+    def __init__(self, params: dict[str, torch.Tensor], optimizer=None,
+                 masters: Callable[[], dict[str, torch.Tensor]] | None = None):
+        self.params = params
+        self.optimizer = optimizer
+        self.masters = masters
+        """name -> the fp32 tensor the optimizer steps on, when it is not the parameter itself."""
+
+    def items(self, local: list[str]) -> list[ReconcileItem]:
+        masters = self.masters() if self.masters is not None else {}
+        out = [ReconcileItem(f"param:{n}", self.params[n].data, param=n) for n in local]
+        out += [ReconcileItem(f"master:{n}", masters[n].data) for n in local if n in masters]
+        state = getattr(self.optimizer, "state", None) or {}
+        for n in local:
+            p = masters.get(n, self.params[n])
+            st = state.get(p, {})
+            for k in sorted(st):
+                v = st[k]
+                if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape:
+                    out.append(ReconcileItem(f"state:{n}:{k}", v, nonneg=_is_second_moment(k)))
+        return out
+
+    def written(self) -> None:
+        pass
+
+
+def _flat(items: list[ReconcileItem], device) -> torch.Tensor:
+    if not items:
+        return torch.zeros(0, device=device)
+    return torch.cat([it.tensor.detach().reshape(-1).float() for it in items]).to(device)
+
+
+def _scatter(items: list[ReconcileItem], flat: torch.Tensor, snap: torch.Tensor | None = None) -> None:
+    off = 0
+    with torch.no_grad():
+        for it in items:
+            t, n = it.tensor, it.tensor.numel()
+            seg = flat[off:off + n].view(t.shape)
+            if snap is None:
+                t.copy_(seg.to(t.dtype))
+            else:
+                t.add_((seg - snap[off:off + n].view(t.shape)).to(t.dtype))
+                if it.nonneg:
+                    t.clamp_(min=0)
+            off += n
+
+
+class Engine:
+    """Policy, wire, reconciliation and state of one reducer (see the module docstring).
+
+    ``names``/``numels``: the tensors the adapter reduces, in registration order. ``layers``: global
+    layer index per name (None outside layers). ``params``: name -> parameter (for magnitude and
+    hutchinson scores); ``forced_sync``: names that must stay SYNC (e.g. Megatron's shared embedding).
+    ``levels``: the adaptive levels this adapter can apply (GroupedReducer: all four).
+    """
+
+    def __init__(self, cfg: TopoAlignConfig, groups, names: list[str], numels: list[int], *, device,
+                 layers: dict[str, int | None], num_layers: int | None = None,
+                 params: dict[str, torch.Tensor] | None = None, forced_sync: set[str] = frozenset(),
+                 loss_closure: Callable[[], torch.Tensor] | None = None, workers: bool = False,
+                 levels: tuple[str, ...] = ("normal", "reconcile", "fp16", "flat"), can_regroup: bool = False):
+        self.cfg = cfg
+        self.groups = groups
+        self.names = list(names)
+        self.numels = dict(zip(self.names, (int(k) for k in numels)))
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.layers = layers
+        self.num_layers = num_layers
+        self.params = params or {}
+        self.forced_sync = set(forced_sync)
+        self.mode = cfg.mode if groups.hierarchical else "flat"
+        self.stats_ = Stats()
+        self.wire = Wire(groups, device=self.device, error_feedback=cfg.communication.error_feedback,
+                         stats=self.stats_)
+        self.sync_dtype = wire_dtype(cfg.sync.dtype if cfg.mode == "selective" else cfg.communication.inter_dtype)
+        self.local_dtype = wire_dtype(cfg.local.dtype)
+        self.reconcile_interval = cfg.local.reconcile_interval
+        self.importance = Importance(cfg.importance.method, cfg.importance.ema_decay, self.names,
+                                     device=self.device)
+        self.loss_closure = loss_closure
+        self.drift = DriftMonitor(cfg.local.promote_drift_fraction, sum(self.numels.values()))
+        self.step = 0
+        self.last_refresh = 0
+        self.reconciles = 0
+        self.all_synced = True
+        self.max_staleness = 0
+        self.class_version = 0
+        self._pending: dict | None = None
+        self._listeners: list[Callable[[Engine], None]] = []
+        self.classes = self._initial_classes()
+        self.levels = levels
+        self.can_regroup = can_regroup
+        """Whether adaptive regrouping may rebuild the groups (GroupedReducer only: a framework's
+        data-parallel layout is fixed at its start)."""
+        self.source: ReconcileSource | None = None
+        """The adapter's reconcile source of the latest step (used by adaptive level changes)."""
+        # Workers: one FIFO thread per class (see the ordering rule). LOCAL also runs asynchronous
+        # reconciliation, so it exists whenever that is configured.
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+        want = set()
+        if workers:
+            want |= {SYNC, LOCAL}
+        if self.mode == "selective" and cfg.local.async_reconcile:
+            want.add(LOCAL)
+        for c in sorted(want):
+            self._executors[c] = ThreadPoolExecutor(1, thread_name_prefix=f"topo_align_{c.lower()}")
+        self._streams: dict[str, Any] = {}
+        if self.cuda:
+            self._streams = {SYNC: torch.cuda.Stream(device=self.device, priority=-1),
+                             LOCAL: torch.cuda.Stream(device=self.device, priority=0)}
+        self.adaptive = None
+
+    # ------------------------------------------------------------------ classes
+
+    @property
+    def selective(self) -> bool:
+        return self.mode == "selective"
+
+    @property
+    def tracks_fisher(self) -> bool:
+        """Whether :meth:`observe` is worth calling (fisher scores that can change the classes)."""
+        t = self.cfg.sync.top_fraction
+        return self.selective and self.cfg.importance.method == "fisher" and 0.0 < t < 1.0
+
+    def _classify(self, scores: list[float] | None) -> dict[str, str]:
+        c = self.cfg.sync
+        out = classify(self.names, [self.numels[n] for n in self.names], last_n_layers=c.last_n_layers,
+                       always_sync=list(c.always_sync), top_fraction=c.top_fraction,
+                       scores=scores, layers=self.layers, num_layers=self.num_layers, exact_names=self.forced_sync)
+        return self.drift.apply(out)
+
+    def _initial_classes(self) -> dict[str, str]:
+        if self.mode != "selective":
+            return {n: SYNC for n in self.names}
+        # Parameters are equal on every rank at start, so magnitude ranks identically without a collective.
+        scores = None
+        if self.params and all(n in self.params for n in self.names):
+            scores = Importance.magnitude([self.params[n] for n in self.names]).cpu().tolist()
+        return self._classify(scores)
+
+    def is_sync(self, name: str) -> bool:
+        return self.classes[name] == SYNC
+
+    def local_names(self) -> list[str]:
+        return [n for n in self.names if self.classes[n] == LOCAL]
+
+    def has_local(self) -> bool:
+        return any(c == LOCAL for c in self.classes.values())
+
+    def sync_fraction(self) -> float:
+        total = sum(self.numels.values()) or 1
+        return sum(self.numels[n] for n in self.names if self.classes[n] == SYNC) / total
+
+    def on_reconfigure(self, fn: Callable[["Engine"], None]) -> None:
+        """``fn(engine)`` runs after every change of classes, mode, wire dtype or groups."""
+        self._listeners.append(fn)
+
+    def reconfigure(self, *, classes: dict[str, str] | None = None, mode: str | None = None,
+                    reconcile_interval: int | None = None, sync_dtype=None, groups=None) -> None:
+        """Change the policy at a step boundary (nothing in flight); adapters are told by their listener.
+
+        Classes may change only when every replica is identical (after a blocking reconciliation),
+        else a tensor would carry a group-specific value into SYNC (invariant 1). Residuals of the
+        old layout are dropped (at most one rounding step each).
+        """
+        changed = False
+        if groups is not None and groups is not self.groups:
+            self.groups = groups
+            self.wire = Wire(groups, device=self.device, error_feedback=self.cfg.communication.error_feedback,
+                             stats=self.stats_)
+            changed = True
+        if mode is not None and mode != self.mode:
+            self.mode = mode
+            changed = True
+        if classes is not None and classes != self.classes:
+            if set(classes) != set(self.names):
+                raise ValueError("topo_align: reconfigure(classes=...) must name every parameter of the engine")
+            self.classes = dict(classes)
+            self.class_version += 1
+            changed = True
+        if reconcile_interval is not None:
+            self.reconcile_interval = int(reconcile_interval)
+        if sync_dtype is not None and wire_dtype(sync_dtype) != self.sync_dtype:
+            self.sync_dtype = wire_dtype(sync_dtype)
+            changed = True
+        if changed:
+            self.wire.reset_residuals()
+            for fn in self._listeners:
+                fn(self)
+
+    # ------------------------------------------------------------------ importance
+
+    def observe(self, names: list[str], sq_sums: torch.Tensor) -> None:
+        """Fisher: fold this step's squared gradient sums of ``names`` (one value per name, of the
+        part of the tensor this rank holds) into the per-element EMA."""
+        if self.tracks_fisher and names:
+            self.importance.observe(names, sq_sums.to(self.importance.ema.device),
+                                    [self.numels[n] for n in names])
+
+    def set_loss_closure(self, fn: Callable[[], torch.Tensor] | None) -> None:
+        """The loss closure `hutchinson` differentiates twice (the adapter may capture one itself)."""
+        self.loss_closure = fn
+
+    def _scores(self) -> list[float]:
+        """This rank's scores, averaged over the data-parallel group (one fp64 SUM all-reduce)."""
+        m = self.cfg.importance.method
+        if m == "fisher":
+            local = self.importance.ema.clone()
+        elif m == "magnitude":
+            local = Importance.magnitude([self.params[n] for n in self.names])
+        else:
+            if self.loss_closure is None:
+                raise ConfigError(
+                    "topo_align: importance.method = 'hutchinson' needs a loss closure at the class refresh "
+                    f"(step {self.step}): the adapter captures the model's own loss when its forward returns "
+                    "one; otherwise call set_loss_closure(fn) (or use 'fisher' / 'magnitude')")
+            local = Importance.hutchinson([self.params[n] for n in self.names], self.loss_closure,
+                                          seed=self.importance.next_seed())
+        s = self.wire.agree(local.double().reshape(-1), "sum", cls="control")
+        return (s / self.groups.dp_size).cpu().tolist()
+
+    def refresh_classes(self) -> bool:
+        """Re-rank on agreed scores; True when the classes changed. Only right after a blocking
+        reconciliation. Collective over the DP group."""
+        self.last_refresh = self.step
+        if not self.selective:
+            return False
+        new = self._classify(self._scores())
+        if new == self.classes:
+            return False
+        self.reconfigure(classes=new)
+        log.info("topo_align: step %d: classes refreshed (%d SYNC / %d LOCAL tensors, SYNC %.1f%% of elements)",
+                 self.step, sum(c == SYNC for c in new.values()), sum(c == LOCAL for c in new.values()),
+                 100 * self.sync_fraction())
+        return True
+
+    # ------------------------------------------------------------------ workers
+
+    def submit(self, cls: str, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the class's worker (FIFO) or inline; on CUDA on the class's side stream,
+        ordered after the work already queued on the caller's stream."""
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        stream = self._streams.get(cls)
+
+        def job():
+            if stream is None:
+                return fn()
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                fn()
+                done = torch.cuda.Event()
+                done.record(stream)
+            return done
+
+        ex = self._executors.get(cls)
+        if ex is not None:
+            return ex.submit(job)
+        fut: Future = Future()
+        try:
+            fut.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(exc)
+        return fut
+
+    def wait(self, fut: Future):
+        """Result of a worker job; on CUDA the caller's stream waits for the job's stream."""
+        out = fut.result()
+        if self.cuda and isinstance(out, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(out)
+        return out
+
+    def run(self, cls: str, fn: Callable[[], Any]) -> None:
+        """``submit`` + ``wait``: keeps a collective on the class's communicators in the class's FIFO."""
+        self.wait(self.submit(cls, fn))
+
+    # ------------------------------------------------------------------ agreement
+
+    def global_grad_norm_sq(self, local_sq: torch.Tensor, *, over: str = "dp") -> torch.Tensor:
+        """Squared gradient norm equal on every rank: the mean over ranks of ``local_sq``
+        (``|g_SYNC|^2 + mean_k |g_LOCAL,k|^2``; one fp64 all-reduce). ``over="inter"`` when the
+        groups already agree inside (a framework reduced the norm over the island). A non-finite
+        value stays non-finite (the frameworks' overflow sentinel)."""
+        if not self.selective or not self.has_local():
+            return local_sq
+        n = self.groups.dp_size if over == "dp" else self.groups.inter_size
+        s = self.wire.agree(local_sq.detach().double().reshape(-1), "sum", over=over, cls="control")
+        return (s / n).reshape(local_sq.shape).to(local_sq.dtype)
+
+    def agree_overflow(self, flag: bool, *, over: str = "dp") -> bool:
+        """True on every rank when any rank saw an overflow (one MAX all-reduce on the comm device)."""
+        t = self.wire.tensor([1.0 if flag else 0.0])
+        return bool(self.wire.agree(t, "max", over=over, cls="control").item() > 0)
+
+    # ------------------------------------------------------------------ the step and reconciliation
+
+    def after_step(self, source: ReconcileSource | None, optimizer=None) -> bool:
+        """Count an optimizer step; apply a pending asynchronous correction; reconcile when due
+        (asynchronously unless a refresh or a promotion needs every replica identical now); refresh
+        classes when due; run the adaptive controller. Returns True on a reconciliation step.
+        Collective over the DP group on reconciliation steps (the same steps on every rank)."""
+        self.step += 1
+        self.source = source
+        did = False
+        if self.selective:
+            if self._pending is not None:
+                self._apply_pending(source)
+            self.all_synced = not self.has_local()
+            if self.step % self.reconcile_interval == 0:
+                refresh = self.step - self.last_refresh >= self.cfg.importance.refresh_interval
+                if (refresh or not self.cfg.local.async_reconcile
+                        or self.drift.wants_blocking(self.classes, self.numels)):
+                    self._reconcile_blocking(source)
+                else:
+                    self._reconcile_async(source)
+                did = True
+                if refresh:
+                    self.refresh_classes()
+        self.stats_.end_step()
+        if self.adaptive is not None:
+            self.adaptive.after_step(optimizer)
+        return did
+
+    def reconcile(self, source: ReconcileSource | None, blocking: bool = True) -> None:
+        """Force a reconciliation now (before evaluation or saving): applies a pending correction,
+        then averages. Afterwards (blocking) every parameter is identical on all ranks."""
+        if not self.selective:
+            return
+        self.source = source
+        if self._pending is not None:
+            self._apply_pending(source)
+        if blocking:
+            self._reconcile_blocking(source)
+        else:
+            self._reconcile_async(source)
+
+    def _split(self, source, local):
+        items = source.items(local) if source is not None and local else []
+        return [i for i in items if not i.shard], [i for i in items if i.shard]
+
+    def _average(self, rep: torch.Tensor, shard: torch.Tensor) -> None:
+        """Phases: 1. replicated part: each member averages 1/L over the rail, the group all-gathers;
+        2. partition part: one rail all-reduce / K (peers hold the same partition). Both on the
+        LOCAL worker's communicators, in chunks of the bucket size."""
+        self.wire.reconcile_(rep, shard=False)
+        self.wire.reconcile_(shard, shard=True)
+
+    def _measure(self, items: list[ReconcileItem], before: torch.Tensor, after: torch.Tensor, step: int) -> None:
+        segs, off = [], 0
+        for it in items:
+            if it.param is not None:
+                segs.append((it.param, off, it.tensor.numel()))
+            off += it.tensor.numel()
+        self.drift.measure_segments(segs, before, after, self.wire, step)
+
+    def _reconcile_blocking(self, source) -> None:
+        rep, shard = self._split(source, self.local_names())
+        if rep or shard:
+            fr, fs = _flat(rep, self.device), _flat(shard, self.device)
+            br, bs = fr.clone(), fs.clone()
+            self.run(LOCAL, lambda: self._average(fr, fs))
+            _scatter(rep, fr)
+            _scatter(shard, fs)
+            source.written()
+            self._measure(rep + shard, torch.cat([br, bs]), torch.cat([fr, fs]), self.step)
+        self.all_synced = True
+        self.reconciles += 1
+        # Every replica is identical now: the only moment a LOCAL tensor may become SYNC.
+        promoted = self.drift.promotions(self.classes, self.numels)
+        if promoted:
+            self.reconfigure(classes={n: (SYNC if n in promoted else c) for n, c in self.classes.items()})
+
+    def _reconcile_async(self, source) -> None:
+        local = self.local_names()
+        rep, shard = self._split(source, local)
+        if not (rep or shard):
+            self.all_synced = True
+            return
+        snap = torch.cat([_flat(rep, self.device), _flat(shard, self.device)])
+        avg = snap.clone()
+        nr = sum(i.tensor.numel() for i in rep)
+        fut = self.submit(LOCAL, lambda: self._average(avg[:nr], avg[nr:]))
+        self._pending = {"local": local, "keys": [i.key for i in rep + shard], "snap": snap, "avg": avg,
+                         "future": fut, "step": self.step}
+        self.reconciles += 1
+
+    def _apply_pending(self, source) -> None:
+        p, self._pending = self._pending, None
+        if p.get("future") is not None:
+            self.wait(p["future"])
+        rep, shard = self._split(source, p["local"])
+        items = rep + shard
+        if [i.key for i in items] != p["keys"]:
+            raise RuntimeError("topo_align: the tensors to reconcile changed between the snapshot and the "
+                               "correction (optimizer state created or dropped?)")
+        _scatter(items, p["avg"], snap=p["snap"])
+        source.written()
+        self._measure(items, p["snap"], p["avg"], p["step"])
+        self.max_staleness = max(self.max_staleness, self.step - p["step"])
+
+    def drain(self) -> None:
+        """Wait for an in-flight asynchronous average (no new collective); keeps the correction."""
+        p = self._pending
+        if p is not None and p.get("future") is not None:
+            self.wait(p["future"])
+            p["future"] = None
+
+    # ------------------------------------------------------------------ state and stats
+
+    def state_dict(self) -> dict:
+        """The engine's state on THIS rank (residuals differ per rank: save it per rank). An in-flight
+        asynchronous reconciliation is waited for and kept, so a resumed run applies the same
+        correction at the same step as an uninterrupted one."""
+        self.drain()
+        pend = None
+        if self._pending is not None:
+            p = self._pending
+            pend = {"local": list(p["local"]), "keys": list(p["keys"]), "snap": p["snap"].cpu().clone(),
+                    "avg": p["avg"].cpu().clone(), "step": p["step"]}
+        ctrl = self.adaptive
+        mode, classes = self.mode, dict(self.classes)
+        if ctrl is not None:
+            mode = ctrl.base_mode
+            if ctrl.saved_classes:
+                classes = dict(ctrl.saved_classes)
+        return {"format": ENGINE_STATE_FORMAT, "mode": mode, "step": self.step, "last_refresh": self.last_refresh,
+                "reconciles": self.reconciles, "all_synced": self.all_synced, "classes": classes,
+                "residuals": self.wire.residual_state(), "importance": self.importance.state_dict(),
+                "pending": pend, "max_staleness": self.max_staleness, "stats": self.stats_.state_dict(),
+                "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict` (same mode and parameters; else a clear error). Listeners run
+        when the classes differ from the current ones, before the residuals are restored."""
+        if not isinstance(sd, dict) or sd.get("format") != ENGINE_STATE_FORMAT:
+            got = sd.get("format") if isinstance(sd, dict) else None
+            raise ValueError(f"not a topo_align engine state (format {got!r}; expected {ENGINE_STATE_FORMAT!r})")
+        ctrl = self.adaptive
+        mine = ctrl.base_mode if ctrl is not None else self.mode
+        if sd["mode"] != mine:
+            raise ValueError(f"topo_align state was saved in mode {sd['mode']!r}; this run uses {mine!r}")
+        if set(sd["classes"]) != set(self.names):
+            diff = sorted(set(self.names) ^ set(sd["classes"]))[:3]
+            raise ValueError(f"topo_align state names other parameters than this model (e.g. {diff})")
+        ad = sd.get("adaptive")
+        if ad and ad.get("level", 0) and ctrl is None:
+            raise ValueError("topo_align state was saved at an adaptive level; this run has adaptive.enabled = "
+                             "false (enable it to resume)")
+        if ctrl is not None:
+            ctrl.restore_base()
+        self.reconfigure(classes=dict(sd["classes"]))
+        if ctrl is not None and ad:
+            ctrl.load_state_dict(ad)
+        self.wire.load_residual_state(sd["residuals"])
+        self.importance.load_state_dict(sd["importance"])
+        self.step = int(sd["step"])
+        self.last_refresh = int(sd["last_refresh"])
+        self.reconciles = int(sd.get("reconciles", 0))
+        self.all_synced = bool(sd["all_synced"])
+        self.max_staleness = int(sd["max_staleness"])
+        p = sd.get("pending")
+        self._pending = None if p is None else {
+            "local": list(p["local"]), "keys": list(p["keys"]), "snap": p["snap"].to(self.device),
+            "avg": p["avg"].to(self.device), "future": None, "step": int(p["step"])}
+        self.stats_.load_state_dict(sd["stats"])
+        self.drift.load_state_dict(sd.get("drift"))
+        if ctrl is not None:
+            ctrl.reset_window()
+
+    def stats(self) -> dict:
+        """Bytes, calls and seconds per tier and class (last step and total), classes and counters."""
+        out = self.stats_.as_dict()
+        sync_el = sum(self.numels[n] for n in self.names if self.classes[n] == SYNC)
+        out.update({
+            "mode": self.mode, "configured_mode": self.cfg.mode, "optimizer_steps": self.step,
+            "reconciles": self.reconciles,
+            "sync_tensors": sum(c == SYNC for c in self.classes.values()),
+            "local_tensors": sum(c == LOCAL for c in self.classes.values()),
+            "sync_elements": sync_el, "local_elements": sum(self.numels.values()) - sync_el,
+            "sync_fraction": self.sync_fraction(), "intra_size": self.groups.intra_size,
+            "inter_size": self.groups.inter_size, "max_staleness": self.max_staleness,
+            "drift": self.drift.as_dict(),
+            "adaptive_level": None if self.adaptive is None else self.adaptive.level,
+        })
+        return out
+
+    def enable_adaptive(self) -> None:
+        """Start the adaptive controller (``adaptive.enabled``) over the levels this adapter supports."""
+        from .adaptive import AdaptiveController
+
+        self.adaptive = AdaptiveController(self, levels=self.levels)
+
+    def close(self) -> None:
+        """Stop the worker threads (after draining a pending average)."""
+        for ex in self._executors.values():
+            ex.shutdown(wait=True)
+        self._executors = {}

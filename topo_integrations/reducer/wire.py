@@ -1,0 +1,122 @@
+"""The engine's collectives: one set of groups, one communication device, one error-feedback store.
+
+Every adapter issues its gradient, reconciliation and control collectives through a :class:`Wire`:
+
+* lossy hops (FP16/BF16 wire) keep their rounding error in a residual named by a *key* the adapter
+  chooses (e.g. ``"sync/3"`` for bucket 3 of the SYNC class); :meth:`Wire.residual` creates it (and
+  re-creates it when the element count changed, e.g. after a class change), so there is one
+  error-feedback scheme (compression.py: the FP16 integer grid) for everybody;
+* every tensor handed to a collective must be on the communication device (``groups.device``):
+  collectives.py checks it, and :meth:`Wire.tensor` makes the small control tensors (norms,
+  overflow flags, scores) there, so with NCCL nothing is sent from the host;
+* bytes and seconds go to the engine's :class:`~topo_integrations.reducer.stats.Stats` per tier and
+  class (``sync``, ``local``, ``reconcile``, ``control``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import collectives as C
+from .compression import is_lossy
+
+__all__ = ["Wire"]
+
+
+class Wire:
+    def __init__(self, groups, *, device, error_feedback: bool, stats, chunk_numel: int = 1 << 24):
+        self.groups = groups
+        self.device = torch.device(device)
+        if getattr(groups, "device", None) is None:
+            groups.device = self.device
+        self.error_feedback = error_feedback
+        self.stats = stats
+        self.chunk_numel = max(1, int(chunk_numel))
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._rec = {c: stats.recorder(c) for c in ("sync", "local", "reconcile", "control")}
+
+    # ------------------------------------------------------------------ helpers
+
+    def record(self, cls: str):
+        return self._rec[cls]
+
+    def tensor(self, values, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """A small control tensor on the communication device (never a host tensor on NCCL)."""
+        return torch.as_tensor(values, dtype=dtype).to(self.device).reshape(-1)
+
+    def residual(self, key: str, numel: int, src: torch.dtype, wire: torch.dtype) -> torch.Tensor | None:
+        """The fp32 error-feedback residual ``key`` of ``numel`` elements; None when the hop is exact
+        or error feedback is off."""
+        if not self.error_feedback or not is_lossy(src, wire):
+            return None
+        r = self._residuals.get(key)
+        if r is None or r.numel() != numel:
+            r = torch.zeros(numel, dtype=torch.float32, device=self.device)
+            self._residuals[key] = r
+        return r
+
+    def reset_residuals(self) -> None:
+        self._residuals.clear()
+
+    def residual_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self._residuals.items()}
+
+    def load_residual_state(self, sd: dict[str, torch.Tensor]) -> None:
+        self._residuals = {k: v.to(self.device).clone() for k, v in sd.items()}
+
+    # ------------------------------------------------------------------ collectives (in place)
+
+    def flat_(self, t: torch.Tensor, *, cls: str = "sync", average: bool = True) -> torch.Tensor:
+        """One all-reduce over the data-parallel group (the `flat` mode / adaptive flat level)."""
+        return C.flat_all_reduce(t, self.groups, average=average, record=self._rec[cls])
+
+    def hierarchical_(self, t: torch.Tensor, *, key: str, wire: torch.dtype, cls: str = "sync",
+                      average: bool = True, low_priority: bool = False) -> torch.Tensor:
+        """Island reduce-scatter, rail all-reduce of the shard in ``wire`` (error feedback under
+        ``key``), island all-gather (three levels with ``topology.middle_level``)."""
+        g = self.groups
+        shard = -(-t.numel() // g.intra_size)
+        res = self.residual(key, shard, t.dtype, wire)
+        return C.hierarchical_all_reduce(t, g, inter_dtype=wire, residual=res, average=average,
+                                         low_priority=low_priority, record=self._rec[cls])
+
+    def intra_(self, t: torch.Tensor, *, key: str, wire: torch.dtype, cls: str = "local",
+               average: bool = True) -> torch.Tensor:
+        """All-reduce inside the island only (LOCAL class, ``intra_low``), error feedback under ``key``."""
+        res = self.residual(key, t.numel(), t.dtype, wire)
+        return C.intra_all_reduce(t, self.groups, wire_dtype=wire, residual=res, average=average,
+                                  low_priority=True, record=self._rec[cls])
+
+    def rail_(self, t: torch.Tensor, *, key: str, wire: torch.dtype, cls: str = "sync",
+              average: bool = False, low_priority: bool = False) -> torch.Tensor:
+        """All-reduce over my rail only (the same shard of every island), error feedback under ``key``:
+        the inter hop of a reduction whose island step a framework already did (ZeRO-1/2 with the
+        island as DeepSpeed's DP group, Megatron's distributed optimizer)."""
+        g = self.groups
+        res = self.residual(key, t.numel(), t.dtype, wire)
+        group = g.inter_low if low_priority else g.inter
+        C.check_device(t, g, "rail all-reduce")
+        C.hop(t.view(-1), wire, res, group, "inter", g, self._rec[cls], g.inter_size)
+        if average and g.inter_size > 1:
+            t.div_(g.inter_size)
+        return t
+
+    def reduce_scatter_intra_(self, out: torch.Tensor, t: torch.Tensor, *, cls: str = "sync") -> torch.Tensor:
+        """Reduce-scatter SUM of ``t`` inside the island into ``out`` (member i gets chunk i)."""
+        return C.reduce_scatter(out, t, self.groups, record=self._rec[cls])
+
+    def reconcile_(self, flat: torch.Tensor, *, shard: bool) -> torch.Tensor:
+        """Mean across islands, in chunks, on the LOCAL communicators (see Engine._average)."""
+        g = self.groups
+        n = flat.numel()
+        for start in range(0, n, self.chunk_numel):
+            part = flat[start:start + self.chunk_numel]
+            if shard:
+                self.rail_(part, key="", wire=part.dtype, cls="reconcile", average=True, low_priority=True)
+            else:
+                C.reconcile_average(part, g, low_priority=True, record=self._rec["reconcile"])
+        return flat
+
+    def agree(self, x: torch.Tensor, op: str = "sum", *, over: str = "dp", cls: str = "control") -> torch.Tensor:
+        """SUM or MAX of ``x`` over the DP group (``over="dp"``) or my rail (``"inter"``); a copy."""
+        return C.agree_scalar(x, self.groups, op, over=over, record=self._rec[cls])
