@@ -215,6 +215,23 @@ class TopoAlignConfig(_Section):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     """Statistics logging."""
 
+    def explicit_keys(self) -> set[str]:
+        """Dotted names of the keys the user set (``"local.async_reconcile"``), from pydantic's
+        ``model_fields_set``: an adapter refuses a key it cannot honour only when it was set, so the
+        defaults never trip a refusal."""
+        out: set[str] = set()
+
+        def walk(m: BaseModel, prefix: str) -> None:
+            for name in m.model_fields_set:
+                v = getattr(m, name)
+                if isinstance(v, BaseModel):
+                    walk(v, f"{prefix}{name}.")
+                else:
+                    out.add(prefix + name)
+
+        walk(self, "")
+        return out
+
     # -- construction helpers ----------------------------------------------------------------------
 
     @classmethod
