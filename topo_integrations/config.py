@@ -258,16 +258,22 @@ class TopoAlignConfig(_Section):
         return cls.from_block(data, where=str(path))
 
     def with_overrides(self, overrides: dict[str, Any]) -> TopoAlignConfig:
-        """A copy with dotted-key overrides applied, e.g. ``{"local.reconcile_interval": 8}``."""
-        data = self.model_dump()
+        """A copy with dotted-key overrides applied, e.g. ``{"local.reconcile_interval": 8}``.
+
+        Only the keys set before and the overridden ones count as set in the copy
+        (:meth:`explicit_keys`), so an adapter's refusal of a key never trips on a default."""
+        data = self.model_dump(exclude_unset=True)
         for dotted, value in overrides.items():
-            node = data
+            node, model = data, type(self)
             *parents, leaf = dotted.split(".")
             for key in parents:
-                if key not in node or not isinstance(node[key], dict):
+                field = model.model_fields.get(key)
+                sub = field.annotation if field is not None else None
+                if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
                     raise ConfigError(f"topo_align: unknown section {dotted!r} in override")
-                node = node[key]
-            if leaf not in node:
+                node = node.setdefault(key, {})
+                model = sub
+            if leaf not in model.model_fields:
                 raise ConfigError(f"topo_align: unknown field {dotted!r} in override")
             node[leaf] = value
         return TopoAlignConfig.from_block(data)
