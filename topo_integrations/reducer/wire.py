@@ -75,8 +75,7 @@ class Wire:
         """Island reduce-scatter, rail all-reduce of the shard in ``wire`` (error feedback under
         ``key``), island all-gather (three levels with ``topology.middle_level``)."""
         g = self.groups
-        shard = -(-t.numel() // g.intra_size)
-        res = self.residual(key, shard, t.dtype, wire)
+        res = self.residual(key, C.rail_numel(-(-t.numel() // g.intra_size), g), t.dtype, wire)
         return C.hierarchical_all_reduce(t, g, inter_dtype=wire, residual=res, average=average,
                                          low_priority=low_priority, record=self._rec[cls])
 
@@ -93,10 +92,9 @@ class Wire:
         the inter hop of a reduction whose island step a framework already did (ZeRO-1/2 with the
         island as DeepSpeed's DP group, Megatron's distributed optimizer)."""
         g = self.groups
-        res = self.residual(key, t.numel(), t.dtype, wire)
-        group = g.inter_low if low_priority else g.inter
+        res = self.residual(key, C.rail_numel(t.numel(), g), t.dtype, wire)
         C.check_device(t, g, "rail all-reduce")
-        C.hop(t.view(-1), wire, res, group, "inter", g, self._rec[cls], g.inter_size)
+        C.rail_all_reduce(t.view(-1), g, wire=wire, residual=res, low_priority=low_priority, record=self._rec[cls])
         if average and g.inter_size > 1:
             t.div_(g.inter_size)
         return t
