@@ -286,11 +286,13 @@ def intra_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, wire_dtype: torc
 
 
 def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: bool = True,
+                      wire: torch.dtype | None = None, residual: torch.Tensor | None = None,
                       record: Record = None) -> torch.Tensor:
     """Average across groups a tensor that is identical inside each group.
 
     Phases: 1. each rank takes its 1/L slice (``t`` padded to a multiple of L);
-            2. all-reduce SUM of the slice over the inter group (`rail_all_reduce`), divide by K;
+            2. all-reduce SUM of the slice over the inter group (`rail_all_reduce`; in ``wire``, with
+               error feedback into ``residual`` when lossy), divide by K;
             3. all-gather the slices inside the intra group.
     The slow tier carries 1/L of ``t`` per rank.
     """
@@ -302,7 +304,8 @@ def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: b
     buf = _padded(t, L)
     m = buf.numel() // L
     chunk = buf[groups.intra_rank * m:(groups.intra_rank + 1) * m].clone()
-    rail_all_reduce(chunk, groups, wire=chunk.dtype, low_priority=low_priority, record=record)
+    rail_all_reduce(chunk, groups, wire=wire or chunk.dtype, residual=residual, low_priority=low_priority,
+                    record=record)
     chunk.div_(K)
     if L > 1:
         run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
