@@ -34,8 +34,10 @@ class CollectiveError(RuntimeError):
     """A collective of the reducer failed or timed out; the message names op, group and ranks."""
 
 
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics).
+# torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor in favour of
+# all_gather_single and reduce_scatter_single (same semantics).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def padded_numel(n: int, k: int) -> int:
@@ -196,7 +198,7 @@ def rail_all_reduce(x: torch.Tensor, groups: ReducerGroups, *, wire: torch.dtype
     buf = _padded(x, M)
     sub = torch.empty(buf.numel() // M, dtype=buf.dtype, device=buf.device)
     run("reduce_scatter", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
-        lambda: dist.reduce_scatter_tensor(sub, buf, group=leaf))
+        lambda: _reduce_scatter(sub, buf, group=leaf))
     if residual is not None and residual.numel() != sub.numel():
         raise ValueError(f"topo_align: residual has {residual.numel()} elements; the spine chunk has {sub.numel()}")
     hop(sub, wire, residual, spine, "inter", groups, record, groups.spine_rail_size)
@@ -248,7 +250,7 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
     if L > 1:
         shard = torch.empty(buf.numel() // L, dtype=buf.dtype, device=buf.device)
         run("reduce_scatter", "intra", intra, groups, buf.numel() * buf.element_size(), record,
-             lambda: dist.reduce_scatter_tensor(shard, buf, group=intra))
+             lambda: _reduce_scatter(shard, buf, group=intra))
     else:
         shard = buf
     if residual is not None and residual.numel() != rail_numel(shard.numel(), groups):
@@ -328,7 +330,7 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, groups: ReducerGroups, *,
         out.copy_(t.reshape(-1)[: out.numel()])
         return out
     run("reduce_scatter", "intra", groups.intra, groups, t.numel() * t.element_size(), record,
-        lambda: dist.reduce_scatter_tensor(out, t, group=groups.intra))
+        lambda: _reduce_scatter(out, t, group=groups.intra))
     return out
 
 
