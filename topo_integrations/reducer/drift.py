@@ -25,7 +25,6 @@ import math
 
 import torch
 
-
 __all__ = ["DriftMonitor"]
 
 log = logging.getLogger("topo_align")
