@@ -234,7 +234,7 @@ class PartitionSource:
                 out.append(ReconcileItem(f"{i}:{name}:{a}:master", master.data.view(-1)[a:b], shard=True, param=name))
                 for k, v in moments:
                     out.append(ReconcileItem(f"{i}:{name}:{a}:{k}", v.view(-1)[a:b], shard=True,
-                                             nonneg=_is_second_moment(k)))
+                                             nonneg=_is_second_moment(k), state=True))
         # The drift of a tensor is agreed over all ranks with the same names everywhere
         # (reducer/drift.py): a LOCAL tensor outside this rank's partition contributes an empty slice.
         dev = opt.topo_align.engine.device
