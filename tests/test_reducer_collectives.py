@@ -169,6 +169,22 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     out["agree_sum"] = float(agree_scalar(v, g, "sum"))
     out["agree_max"] = float(agree_scalar(v, g, "max"))
     out["agree_input_untouched"] = float(v) == rank + 1
+
+    # 10. rail reduce-scatter (ZeRO-3's cross-island step): member i of my rail gets chunk i of the sum
+    #     over the rail, exactly in fp32; on an fp16 wire within the grid step (~K * amax / 2048 per
+    #     element, compression.py).
+    from topo_integrations.reducer.collectives import rail_reduce_scatter
+
+    K = g.inter_size
+    x = torch.randn(K * 301, generator=gen)
+    every = _gather_all(x)
+    rail = sorted(g.inter_ranks)
+    want = torch.stack([every[r] for r in rail]).sum(0).reshape(K, -1)[rail.index(rank)]
+    o32, o16 = torch.empty(301), torch.empty(301)
+    rail_reduce_scatter(o32, x, g)
+    rail_reduce_scatter(o16, x, g, wire=torch.float16, residual=torch.zeros(x.numel()))
+    out["rail_rs_fp32_rel"] = _rel(o32, want)
+    out["rail_rs_fp16_rel"] = _rel(o16, want)
     return out
 
 
@@ -274,6 +290,8 @@ def assert_collectives(results: list[dict]) -> None:
         n = len(results)
         assert c["agree_sum"] == n * (n + 1) / 2 and c["agree_max"] == n
         assert c["agree_input_untouched"]
+        assert c["rail_rs_fp32_rel"] <= 1e-6 and c["rail_rs_fp16_rel"] <= 5e-3, (c["rail_rs_fp32_rel"],
+                                                                                 c["rail_rs_fp16_rel"])
 
 
 @pytest.mark.timeout(200)

@@ -112,10 +112,9 @@ def reduce_scatter_coalesced(tensors, group=None):
          rail, in rail order;
       2. island reduce-scatter (``Wire.reduce_scatter_intra_``): member s gets its rail's slots summed
          over the island;
-      3. rail all-reduce of those slots (``Wire.rail_``, wire ``communication.inter_dtype`` with error
-         feedback); each rank keeps its own slot.
-    The slow tier carries the island's 1/k of the buffer (the Wire has no rail reduce-scatter, so the
-    rail step is an all-reduce: twice a reduce-scatter's bytes on that hop).
+      3. rail reduce-scatter of those slots (``Wire.rail_reduce_scatter_``, wire
+         ``communication.inter_dtype`` with error feedback): each rank gets its own slot.
+    The slow tier carries 1/k of what a flat reduce-scatter would.
     """
     active = _ACTIVE_STAGE3.get()
     if active is None or not active[0].covers_dp(group):
@@ -149,8 +148,8 @@ def reduce_scatter_coalesced(tensors, group=None):
     buf = torch.cat(slots).div_(world)
     mine = buf.new_empty(slot * g.inter_size)
     e.wire.reduce_scatter_intra_(mine, buf)
-    e.wire.rail_(mine, key=st.key("rs"), wire=e.sync_dtype, average=False)
-    out = mine[g.inter_rank * slot:(g.inter_rank + 1) * slot]
+    out = mine.new_empty(slot)
+    e.wire.rail_reduce_scatter_(out, mine, key=st.key("rs"), wire=e.sync_dtype)
     res, off = [], 0
     for t, c in zip(tensors, chunk):
         n_mine = max(0, min(c, t.numel() - my_rank * c))

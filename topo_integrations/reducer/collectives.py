@@ -25,7 +25,7 @@ from .groups import ReducerGroups
 
 __all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
            "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device",
-           "rail_all_reduce", "rail_numel"]
+           "rail_all_reduce", "rail_numel", "rail_reduce_scatter"]
 
 Record = Callable[[str, int, float], None] | None
 
@@ -331,6 +331,52 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, groups: ReducerGroups, *,
         return out
     run("reduce_scatter", "intra", groups.intra, groups, t.numel() * t.element_size(), record,
         lambda: _reduce_scatter(out, t, group=groups.intra))
+    return out
+
+
+def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroups, *,
+                        wire: torch.dtype = torch.float32, residual: torch.Tensor | None = None,
+                        record: Record = None) -> torch.Tensor:
+    """Reduce-scatter SUM of ``x`` over my rail into ``out``: rail member i (by ascending global
+    rank) gets chunk i (``x.numel() / K`` elements). ZeRO-3's cross-island step: the slow tier carries
+    (K-1)/K of ``x`` instead of an all-reduce's 2(K-1)/K.
+
+    Phases: 1. (FP16 wire) MAX all-reduce of amax over the rail for a common scale; 2. quantise
+    (error feedback into ``residual``, shape ``x``) and reduce-scatter in ``wire``; 3. back to
+    ``out``'s dtype. Always over the two-level rail (also with ``middle_level``).
+    """
+    _check(x, "rail_reduce_scatter", groups)
+    check_device(out, groups, "rail_reduce_scatter")
+    K, rail = groups.inter_size, groups.inter
+    if K == 1:
+        out.copy_(x.reshape(-1)[: out.numel()])
+        return out
+    if out.numel() * K != x.numel():
+        raise ValueError(f"topo_align: rail_reduce_scatter of {x.numel()} elements over {K} ranks needs an "
+                         f"output of {x.numel() // K}; got {out.numel()}")
+    if wire == x.dtype or not is_lossy(x.dtype, wire):
+        w = x if wire == x.dtype else x.to(wire)
+        o = out if out.dtype == wire else torch.empty(out.numel(), dtype=wire, device=out.device)
+        run("reduce_scatter", "inter", rail, groups, w.numel() * w.element_size(), record,
+            lambda: _reduce_scatter(o, w, group=rail))
+        if o is not out:
+            out.copy_(o)
+        return out
+    v = x.reshape(-1).float()
+    if residual is not None:
+        v = v + residual
+    scale = None
+    if needs_scale(wire):
+        amax = v.abs().max().reshape(1) if v.numel() else torch.zeros(1, device=v.device)
+        run("all_reduce(MAX amax)", "inter", rail, groups, 4, record,
+            lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=rail))
+        scale = choose_scale(amax, wire, K)
+    q = quantize(v, wire, scale, residual, grid=uses_grid(wire, K))
+    o = torch.empty(out.numel(), dtype=wire, device=out.device)
+    run("reduce_scatter", "inter", rail, groups, q.numel() * q.element_size(), record,
+        lambda: _reduce_scatter(o, q, group=rail))
+    back = o.float()
+    out.copy_(back / scale if scale is not None else back)
     return out
 
 

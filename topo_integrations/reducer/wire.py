@@ -101,6 +101,13 @@ class Wire:
             t.div_(g.inter_size)
         return t
 
+    def rail_reduce_scatter_(self, out: torch.Tensor, t: torch.Tensor, *, key: str, wire: torch.dtype,
+                             cls: str = "sync") -> torch.Tensor:
+        """Reduce-scatter SUM of ``t`` over my rail into ``out`` (rail member i gets chunk i), in
+        ``wire`` with error feedback under ``key`` (ZeRO-3's cross-island step)."""
+        res = self.residual(key, t.numel(), t.dtype, wire)
+        return C.rail_reduce_scatter(out, t, self.groups, wire=wire, residual=res, record=self._rec[cls])
+
     def reduce_scatter_intra_(self, out: torch.Tensor, t: torch.Tensor, *, cls: str = "sync") -> torch.Tensor:
         """Reduce-scatter SUM of ``t`` inside the island into ``out`` (member i gets chunk i)."""
         return C.reduce_scatter(out, t, self.groups, record=self._rec[cls])
