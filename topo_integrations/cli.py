@@ -27,7 +27,7 @@ CORE_COMMANDS = ("show", "plan", "hostfile", "schema", "doctor")
 OPTIONAL_COMMANDS = {
     "simulate": ("topo_integrations.sim.cli", "cost-model simulation of a topology (topo_integrations.sim)"),
     "emulate": ("topo_integrations.emulate.cli", "emulated multi-node cluster on one Linux host"),
-    "bench": ("topo_integrations.emulate.bench_cli", "benchmark the reducer on an emulated cluster"),
+    "bench": ("topo_integrations.bench.cli", "benchmark the reducer on an emulated cluster"),
 }
 
 
