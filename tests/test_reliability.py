@@ -79,7 +79,8 @@ def test_policy_keeps_flat_only_when_faster():
 
 
 def test_check_probe_names_the_slow_group():
-    from topo_integrations.reducer.health import ProbeResult, check_probe
+    from topo_integrations.diagnostics import check_probe
+    from topo_integrations.reducer.health import ProbeResult
     from topo_integrations.topology import plan_groups
     from topo_integrations.topology.file_source import load_topology_file
 
@@ -109,7 +110,8 @@ def _world(rank, world_size):
 
     from topo_integrations import GroupedReducer, TopoAlignConfig
     from topo_integrations.reducer import CollectiveError
-    from topo_integrations.reducer.health import probe_groups, start_of_run_check
+    from topo_integrations.diagnostics import start_of_run_check
+    from topo_integrations.reducer.health import probe_groups
 
     os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # 2 nodes x 2 ranks
     logging.getLogger("topo_align").setLevel(logging.ERROR)

@@ -292,7 +292,7 @@ def test_cut_link_fails_fast_and_restart_resumes_bitwise(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_probe_job_warns_about_the_slow_link(tmp_path):
-    from topo_integrations.reducer.health import run_probe_job
+    from topo_integrations.diagnostics import run_probe_job
 
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"topology": {"source": "file", "file": str(TOPO_2X2)}}))

@@ -285,9 +285,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
         cfg = TopoAlignConfig.from_file(args.config)
         findings.append(Finding("ok", "config", f"{args.config}: valid topo_align block (mode {cfg.mode!r})"))
-    if args.probe or args.probe_emulate:  # reducer/health.py: group-to-group latency and bandwidth
+    if args.probe or args.probe_emulate:  # diagnostics.py: group-to-group latency and bandwidth
+        from .diagnostics import check_gpu_links, run_probe_job
         from .doctor import Finding
-        from .reducer.health import check_gpu_links, run_probe_job
 
         findings += check_gpu_links()
         res = run_probe_job(nproc=args.probe_nproc, emulate_topology=args.probe_emulate)
