@@ -319,6 +319,53 @@ def test_cli_json_plot_and_errors(tmp_path, capsys):
     assert "cannot read topology file" in capsys.readouterr().err
 
 
+def test_compute_defaults_from_the_gpu_kind(tmp_path, capsys):
+    """Without --compute-s: peak from the topology's GPU kind (or --gpu), MFU 0.4, 1536 x 2048 tokens;
+    every default used is named in the output (docs/costmodel.md, "Compute per step")."""
+    from topo_integrations.sim.compute import DEFAULT_MFU, DEFAULT_TOKENS_PER_STEP, gpu_peak_tflops
+
+    assert gpu_peak_tflops("a100-sxm4-80gb") == ("A100", 312.0)
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3") == ("H100", 989.0)
+    with pytest.raises(SimError, match="GPU kind 'MI300X' is unknown; expected one of V100, A100"):
+        gpu_peak_tflops("MI300X")
+    plain = _write_topo(tmp_path)  # no "gpu" key
+    doc = json.loads(open(plain).read())
+    doc["gpu"] = "A100"
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps(doc))
+    assert sim_main(["--topology", str(named), "--params", "175e9", "--tp", "8", "--pp", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    want = 6 * 175e9 * DEFAULT_TOKENS_PER_STEP / (960 * DEFAULT_MFU * 312e12)
+    assert rel(data["compute_s"], want) < 1e-12 and DEFAULT_TOKENS_PER_STEP == 1536 * 2048
+    assert data["workload"]["peak_tflops"] == 312.0 and len(data["workload"]["assumed"]) == 3
+    assert any("compute per step assumed: peak 312 TFLOP/s per GPU (A100" in n for n in data["notes"])
+    # --gpu overrides the file; an explicit flag is not an assumption
+    assert sim_main(["--topology", str(named), "--params", "175e9", "--gpu", "H100", "--mfu", "0.5", "--json"]) == 0
+    w = json.loads(capsys.readouterr().out)["workload"]
+    assert w["peak_tflops"] == 989.0 and w["mfu"] == 0.5 and not any("MFU" in a for a in w["assumed"])
+    # no GPU kind anywhere: the error says what to give
+    assert sim_main(["--topology", plain, "--params", "1e9"]) == 2
+    err = capsys.readouterr().err
+    assert "the topology names no GPU kind" in err and "--gpu KIND" in err and err.count("\n") == 1
+    # tokens per step from a DeepSpeed config's train_batch_size x --seq-length
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 512, "bf16": {"enabled": True}}))
+    assert sim_main(["--topology", str(named), "--params", "1e9", "--deepspeed-config", str(ds),
+                     "--seq-length", "1024", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["tokens_per_step"] == 512 * 1024
+
+
+def test_readme_simulate_example_answers():
+    """The README's example, as written (the docs test runs it too, through the installed command)."""
+    from topo_integrations.cli import main as cli_main
+
+    from pathlib import Path
+
+    topo_file = Path(__file__).resolve().parents[1] / "configs" / "topologies" / "dgx-a100-superpod-960.json"
+    assert cli_main(["simulate", "--topology", str(topo_file),
+                     "--params", "175e9", "--tp", "8", "--pp", "8", "--json"]) == 0
+
+
 def test_python_m_entry_point(tmp_path):
     topo_file = _write_topo(tmp_path)
     p = subprocess.run([sys.executable, "-m", "topo_integrations.sim", "--topology", topo_file, "--params", "1e9",

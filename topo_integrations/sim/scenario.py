@@ -185,6 +185,8 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
     world = topo.world_size
     wl.validate(world)
     notes: list[str] = []
+    if wl.assumed and wl.compute_s is None:
+        notes.append("compute per step assumed: " + "; ".join(wl.assumed))
     topo = apply_rank_order(topo, opt.rank_order, seed=opt.seed)
     fab = Fabric.from_topology(topo)
     groups = dp_groups(world, wl.tp, wl.pp)
@@ -244,6 +246,8 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         "params": wl.params, "grad_dtype": wl.grad_dtype, "tp": wl.tp, "pp": wl.pp, "dp": wl.dp(world),
         "grad_elements_per_gpu": wl.grad_elements, "grad_bytes_per_gpu": wl.grad_bytes,
         "num_layers": wl.num_layers, "source": wl.source, "selective_sync_fraction": spec.sync_fraction,
+        "mfu": wl.mfu, "peak_tflops": wl.peak_tflops, "tokens_per_step": wl.tokens_per_step,
+        "assumed": list(wl.assumed),
     }
     opts = dict(opt.__dict__)
     opts["algorithms"] = list(opt.algorithms)

@@ -3,6 +3,7 @@
     {
       "format": "topo-align/topology/v1",
       "name": "dgx-a100-superpod",
+      "gpu": "A100",
       "gpus_per_node": 8,
       "island_size": null,
       "tiers": {"island": {"bandwidth_gbps": 230, "latency_us": 2},
@@ -30,7 +31,7 @@ __all__ = ["FORMAT", "load_topology_file", "topology_from_dict", "topology_to_di
 
 FORMAT = "topo-align/topology/v1"
 MAX_RANKS = 1_048_576
-_TOP_KEYS = {"format", "name", "gpus_per_node", "island_size", "tiers", "leaves", "islands", "description"}
+_TOP_KEYS = {"format", "name", "gpus_per_node", "island_size", "tiers", "leaves", "islands", "description", "gpu"}
 _TIER_KEYS = {"bandwidth_gbps", "latency_us", "oversubscription"}
 _LEAF_KEYS = {"name", "pod", "hosts"}
 
@@ -95,6 +96,9 @@ def topology_from_dict(data: Any, *, source: str = "file") -> Topology:
     isz = data.get("island_size")
     if isz is not None:
         isz = _int(isz, "island_size", source, 1, 4096)
+    gpu = data.get("gpu")
+    if gpu is not None:
+        gpu = _str(gpu, "gpu", source)
 
     tiers = dict(DEFAULT_TIERS)
     raw_tiers = data.get("tiers", {})
@@ -160,7 +164,7 @@ def topology_from_dict(data: Any, *, source: str = "file") -> Topology:
     unknown_island_hosts = sorted(set(island_of) - set(seen_hosts))
     if unknown_island_hosts:
         raise TopologyError(f"{source}: islands name host {unknown_island_hosts[0]!r} that no leaf lists")
-    return Topology(tuple(places), tiers, name=name, source=source)
+    return Topology(tuple(places), tiers, name=name, source=source, gpu=gpu)
 
 
 def load_topology_file(path: str | os.PathLike[str]) -> Topology:
@@ -210,4 +214,6 @@ def topology_to_dict(topo: Topology) -> dict:
         out["island_size"] = sizes.pop()
     if multi:
         out["islands"] = [{"name": k, "hosts": v} for k, v in multi.items()]
+    if topo.gpu is not None:
+        out["gpu"] = topo.gpu
     return out

@@ -82,6 +82,9 @@ class Topology:
     name: str = "topology"
     source: str = "memory"
     """Where this topology came from (e.g. ``slurm:topology.conf``), for messages."""
+    gpu: str | None = None
+    """The GPU kind, e.g. ``"A100"`` (topology files' optional ``"gpu"`` key); the cost model takes
+    its default peak FLOP/s from it (docs/costmodel.md). None when the source does not say."""
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -239,4 +242,4 @@ class Topology:
     def with_tiers(self, **tiers: Tier) -> Topology:
         merged = dict(self.tiers)
         merged.update(tiers)
-        return Topology(self.ranks, merged, name=self.name, source=self.source)
+        return Topology(self.ranks, merged, name=self.name, source=self.source, gpu=self.gpu)

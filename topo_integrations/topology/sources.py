@@ -160,4 +160,4 @@ def _apply_ib(topo: Topology, root: str, gpus: int) -> Topology:
 
 
 def _renamed(topo: Topology, name: str | None, label: str) -> Topology:
-    return Topology(topo.ranks, topo.tiers, name=name or topo.name, source=label)
+    return Topology(topo.ranks, topo.tiers, name=name or topo.name, source=label, gpu=topo.gpu)
