@@ -246,6 +246,7 @@ def _prune(ckpt_dir: str, keep: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    common.quiet_known_warnings()
     return common.run_main(build_parser().parse_args(argv), check, run)
 
 
