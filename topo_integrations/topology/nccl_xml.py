@@ -18,7 +18,7 @@ from collections import Counter
 
 from .layout import NodeLayout, island_tier_from_links, net_tier_from_rate, read_source_text
 from .model import TopologyError
-from .nvidia_smi import _components
+from .nvidia_smi import connected_components
 
 __all__ = ["parse_nccl_xml", "load_nccl_xml", "NVSWITCH_CLASS"]
 
@@ -103,7 +103,7 @@ def parse_nccl_xml(text: str, *, source: str = "nccl-xml") -> NodeLayout:
                 edges.append((i, sid))
                 links[i] += cnt
             # Other targets (e.g. NVLink to a POWER9 CPU) do not join GPUs into an island.
-    comps = _components(n + len(switch_ids), edges)
+    comps = connected_components(n + len(switch_ids), edges)
     islands = tuple(tuple(x for x in c if x < n) for c in comps)
     islands = tuple(sorted((c for c in islands if c), key=lambda c: c[0]))
     in_island = [l for isl in islands if len(isl) > 1 for l in (links[i] for i in isl)]

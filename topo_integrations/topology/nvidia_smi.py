@@ -16,7 +16,7 @@ import re
 from .layout import NodeLayout, island_tier_from_links, read_source_text
 from .model import TopologyError
 
-__all__ = ["parse_nvidia_smi", "load_nvidia_smi", "CELL_VALUES"]
+__all__ = ["parse_nvidia_smi", "load_nvidia_smi", "connected_components", "CELL_VALUES"]
 
 CELL_VALUES = ("X", "SYS", "SOC", "NODE", "PHB", "PXB", "PIX", "NV<n>")
 _PCIE = {"SYS", "SOC", "NODE", "PHB", "PXB", "PIX"}  # SOC: older drivers' name for SYS
@@ -27,7 +27,9 @@ _LEGEND_ENTRY = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 MAX_GPUS = 4096
 
 
-def _components(n: int, edges: list[tuple[int, int]]) -> list[list[int]]:
+def connected_components(n: int, edges: list[tuple[int, int]]) -> list[list[int]]:
+    """Connected components of the graph on ``0..n-1`` (union-find), each sorted, in order of their
+    smallest member; used for NVLink islands here and in the NCCL XML source."""
     parent = list(range(n))
 
     def find(x: int) -> int:
@@ -146,7 +148,7 @@ def parse_nvidia_smi(text: str, *, source: str = "nvidia-smi") -> NodeLayout:
             if m and a != b:
                 nv[(a, b)] = int(m.group(1))
                 edges.append((a, b))
-    islands = _components(n, edges)
+    islands = connected_components(n, edges)
     links = min(links_per_gpu(isl, nv) for isl in islands)
     nics = tuple(nic_legend.get(c, c) for c in columns[n:])
     return NodeLayout(
