@@ -92,6 +92,7 @@ class GPTTask:
 
     def __init__(self, seed: int, corpus_bytes: int = 1 << 19, val_seqs: int = 64):
         import torch
+
         from topo_integrations.train.data import ByteTokenizer, collect_stdlib_corpus
         from topo_integrations.train.model import GPTConfig
 
@@ -234,6 +235,7 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
     """Train one configuration from ``seed``; returns curves and final metric (same on every rank)."""
     import torch
     import torch.distributed as dist
+
     from topo_integrations.reducer import GroupedReducer
 
     torch.manual_seed(seed)

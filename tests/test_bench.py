@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from topo_integrations.bench.cli import write_section
 from topo_integrations.bench.report import markdown, summarize
 from topo_integrations.bench.systems import SYSTEMS, Layout, System, availability, ring_bytes, theory_bytes
-from topo_integrations.bench.cli import write_section
 from topo_integrations.emulate.netns import list_namespaces, probe_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -357,7 +357,7 @@ def s_agreement(rank, world, groups):
 
 def s_fallback(rank, world):
     """Single node: selective falls back to flat, logged once via the `topo_align` logger."""
-    from topo_integrations.reducer import GroupedReducer, build_groups, discover_plan
+    from topo_integrations.reducer import GroupedReducer, discover_plan
 
     records = []
 

@@ -109,8 +109,8 @@ def _world(rank, world_size):
     import torch.nn as nn
 
     from topo_integrations import GroupedReducer, TopoAlignConfig
-    from topo_integrations.reducer import CollectiveError
     from topo_integrations.diagnostics import start_of_run_check
+    from topo_integrations.reducer import CollectiveError
     from topo_integrations.reducer.health import probe_groups
 
     os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # 2 nodes x 2 ranks
@@ -425,9 +425,8 @@ def test_deepspeed_wire_failures_name_op_group_and_ranks():
     """The DeepSpeed adapter's own collectives (deepspeed/wire.py) raise the same named error."""
     from topo_integrations.deepspeed.wire import Wire, WireStats
     from topo_integrations.reducer import CollectiveError
-    from topo_integrations.reducer.groups import ReducerGroups
+    from topo_integrations.reducer.groups import ReducerGroups, gather_hostnames_topology
     from topo_integrations.topology import plan_groups
-    from topo_integrations.reducer.groups import gather_hostnames_topology
 
     rail = object()
     g = ReducerGroups(plan=plan_groups(gather_hostnames_topology(["a", "a", "b", "b"])), dp_ranks=(0, 1, 2, 3),

@@ -12,9 +12,23 @@ import numpy as np
 import pytest
 
 from topo_integrations.config import TopoAlignConfig
-from topo_integrations.sim import ALGORITHMS, SelectiveSpec, SimError, SimOptions, Workload, bucket_timeline, dp_groups, simulate
+from topo_integrations.sim import (
+    ALGORITHMS,
+    SelectiveSpec,
+    SimError,
+    SimOptions,
+    Workload,
+    bucket_timeline,
+    dp_groups,
+    simulate,
+)
 from topo_integrations.sim.algorithms import (
-    double_binary_tree, flat_ring, hierarchical_2level, hierarchical_3level, selective, split_groups,
+    double_binary_tree,
+    flat_ring,
+    hierarchical_2level,
+    hierarchical_3level,
+    selective,
+    split_groups,
 )
 from topo_integrations.sim.cli import main as sim_main
 from topo_integrations.sim.model import Fabric, apply_rank_order
@@ -357,9 +371,9 @@ def test_compute_defaults_from_the_gpu_kind(tmp_path, capsys):
 
 def test_readme_simulate_example_answers():
     """The README's example, as written (the docs test runs it too, through the installed command)."""
-    from topo_integrations.cli import main as cli_main
-
     from pathlib import Path
+
+    from topo_integrations.cli import main as cli_main
 
     topo_file = Path(__file__).resolve().parents[1] / "configs" / "topologies" / "dgx-a100-superpod-960.json"
     assert cli_main(["simulate", "--topology", str(topo_file),

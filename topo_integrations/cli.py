@@ -170,7 +170,6 @@ def _console():
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from .topology.hostlist import compress_hostlist
-
     from .topology.planner import PlanError
 
     topo = _load(args)

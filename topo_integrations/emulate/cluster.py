@@ -35,8 +35,15 @@ from ..topology.model import Topology
 from .counters import CounterSnapshot, snapshot
 from .layout import NODE_IFACE, Layout, NodeSpec, plan_layout
 from .netns import (
-    EmulationError, EmulationUnavailable, add_namespace, delete_namespace, ns_exec_argv, run_ip,
-    unavailable_reason, write_etc_file, HOSTNAME_RE,
+    HOSTNAME_RE,
+    EmulationError,
+    EmulationUnavailable,
+    add_namespace,
+    delete_namespace,
+    ns_exec_argv,
+    run_ip,
+    unavailable_reason,
+    write_etc_file,
 )
 from .shaping import LinkShape, apply_shape, change_shape, netem_available
 

@@ -8,8 +8,15 @@ from dataclasses import dataclass, field, replace
 
 from ..topology.model import Topology
 from .algorithms import (
-    ALGORITHMS, CommCost, NotApplicable, SelectiveSpec, double_binary_tree, flat_ring, hierarchical_2level,
-    hierarchical_3level, selective,
+    ALGORITHMS,
+    CommCost,
+    NotApplicable,
+    SelectiveSpec,
+    double_binary_tree,
+    flat_ring,
+    hierarchical_2level,
+    hierarchical_3level,
+    selective,
 )
 from .model import DTYPE_BYTES, RANK_ORDERS, SIM_TIERS, Fabric, SimError, apply_rank_order, dtype_bytes
 from .overlap import bucket_timeline
