@@ -125,7 +125,9 @@ class GPTTask:
         import torch
         L = self.cfg.seq_length
         g = torch.Generator().manual_seed(1_000_003 * self.seed + step)
-        starts = torch.randint(0, len(self.train) - L - 1, (micro * WORLD,), generator=g)[rank * micro:(rank + 1) * micro]
+        starts = torch.randint(0, len(self.train) - L - 1, (micro * WORLD,), generator=g)[
+            rank * micro : (rank + 1) * micro
+        ]
         x = torch.stack([self.train[s:s + L] for s in starts.tolist()])
         y = torch.stack([self.train[s + 1:s + L + 1] for s in starts.tolist()])
         return x, y
@@ -138,8 +140,8 @@ class GPTTask:
         import torch
         n = len(self.val_x) // WORLD
         with torch.no_grad():
-            l = model(self.val_x[rank * n:(rank + 1) * n], self.val_y[rank * n:(rank + 1) * n])
-        return {"sum": float(l) * n, "n": n}
+            loss = model(self.val_x[rank * n:(rank + 1) * n], self.val_y[rank * n:(rank + 1) * n])
+        return {"sum": float(loss) * n, "n": n}
 
 
 class DigitsTask:
@@ -257,7 +259,11 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
     ema = None
     for s in range(steps):
         # linear warm-up, cosine decay to 10 %
-        f = (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+        f = (
+            (s + 1) / warmup
+            if s < warmup
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+        )
         for gr in opt.param_groups:
             gr["lr"] = lr * f
         x, y = task.batch(s, rank, micro)
@@ -363,8 +369,11 @@ def report(results: list[dict], img_dir: Path) -> str:
             steps = r0["curve"][-1][0]
             hist = r0["drift"]["history"]
             drift = max(h[1] for h in hist) if hist else None
-            lines.append(f"| {n} | {vals} | {mean:.{4 if task == 'gpt' else 2}f} | {g} | {share:.2f} | {r0['inter_bytes'] / steps / 1024:.1f} KiB"
-                         f" | {'' if drift is None else f'{drift:.2e}'} | {statistics.mean(r['wall_s'] for r in rr):.0f} |")
+            lines.append(
+                f"| {n} | {vals} | {mean:.{4 if task == 'gpt' else 2}f} | {g} | {share:.2f} "
+                f"| {r0['inter_bytes'] / steps / 1024:.1f} KiB"
+                f" | {'' if drift is None else f'{drift:.2e}'} | {statistics.mean(r['wall_s'] for r in rr):.0f} |"
+            )
         lines.append("")
         # curves: one panel for the mode comparison, one per grid factor
         panels = {"modes": ["flat", "hierarchical", "selective-default"]}

@@ -88,8 +88,14 @@ def test_layout_maps_tiers_to_links():
     two = plan_layout(load_topology_file(TOPO_2LEAF), "ta1-1")
     assert [n.address for n in two.nodes] == ["10.213.0.1", "10.213.0.2", "10.213.1.1", "10.213.1.2"]
     # spine 0.025 GB/s x 2 ranks under the leaf / 2.0 oversubscription = 200 Mbit/s; (1000-500)/2 us per end
-    assert [(s.leaf, s.shape) for s in two.spines] == [("leaf0", LinkShape(200.0, 0.25)), ("leaf1", LinkShape(200.0, 0.25))]
-    assert [n.uplink.rate_mbit for n in plan_layout(load_topology_file(TOPO_2X2), "ta1-2", uplink_mbit=200).nodes] == [200, 200]
+    assert [(s.leaf, s.shape) for s in two.spines] == [
+        ("leaf0", LinkShape(200.0, 0.25)),
+        ("leaf1", LinkShape(200.0, 0.25)),
+    ]
+    assert [n.uplink.rate_mbit for n in plan_layout(load_topology_file(TOPO_2X2), "ta1-2", uplink_mbit=200).nodes] == [
+        200,
+        200,
+    ]
 
 
 def test_rank_environment():
@@ -112,12 +118,18 @@ def test_bad_values_are_named():
         plan_layout(load_topology_file(TOPO_2X2), "ta1-0", mtu=100)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--topology", "/nonexistent.json", "--", "true"], "cannot read topology file"),
-    (["--topology", str(TOPO_2X2)], "no command given; put it after `--`"),
-    (["--topology", str(TOPO_2X2), "--timeout", "-3", "--", "true"], "--timeout = -3.0; expected a number of seconds > 0"),
-    (["--", "true"], "--topology FILE is required"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "/nonexistent.json", "--", "true"], "cannot read topology file"),
+        (["--topology", str(TOPO_2X2)], "no command given; put it after `--`"),
+        (
+            ["--topology", str(TOPO_2X2), "--timeout", "-3", "--", "true"],
+            "--timeout = -3.0; expected a number of seconds > 0",
+        ),
+        (["--", "true"], "--topology FILE is required"),
+    ],
+)
 def test_cli_bad_input_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(emulate_cli, "unavailable_reason", lambda: None)  # reach the input checks as non-root too
     assert emulate_cli.main(argv) == 2
@@ -309,8 +321,11 @@ def test_set_link_delay(cluster):
     base = cluster.measure("node0", "node1", nbytes=10_000, pings=10)["rtt_ms"]
     if netem_available() is False:
         # This kernel lacks netem: the request is refused by name and nothing changes.
-        with pytest.raises(DelayUnsupported, match=r"cannot set delay_ms=5 on eth0 in ta\d+-\d+-n1: this kernel "
-                                                    r"has no netem qdisc \(CONFIG_NET_SCH_NETEM\); rate shaping still works"):
+        with pytest.raises(
+            DelayUnsupported,
+            match=r"cannot set delay_ms=5 on eth0 in ta\d+-\d+-n1: this kernel "
+            r"has no netem qdisc \(CONFIG_NET_SCH_NETEM\); rate shaping still works",
+        ):
             cluster.set_link("node1", delay_ms=5)
         assert cluster.link_shape("node1") == LinkShape(200.0, 0.25)
         return

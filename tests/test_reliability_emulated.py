@@ -238,8 +238,11 @@ def test_slow_link_adapts_logs_is_faster_and_reverts(tmp_path):
     first = ev[0]
     assert (first["from"], first["to"]) == ("normal", "fp16"), moves
     assert 8 <= first["step"] <= 6 + 2 * (2 + 1), moves
-    assert re.search(r"adaptive: step %d: normal -> fp16: inter tier degraded over 2 checks: inter tier "
-                     r"[0-9.e+-]+ GB/s vs reference [0-9.e+-]+ GB/s \([0-9.]+x slower\)" % first["step"], log), log[-3000:]
+    assert re.search(
+        r"adaptive: step %d: normal -> fp16: inter tier degraded over 2 checks: inter tier "
+        r"[0-9.e+-]+ GB/s vs reference [0-9.e+-]+ GB/s \([0-9.]+x slower\)" % first["step"],
+        log,
+    ), log[-3000:]
     # Reverted once the link recovered.
     assert moves[-1][2] == "normal" and moves[-1][0] > 20, moves
     assert "link recovered" in ev[-1]["reason"]

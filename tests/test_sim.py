@@ -322,9 +322,15 @@ def test_cli_json_plot_and_errors(tmp_path, capsys):
     for argv, msg in (
         (["--params", "175e9", "--tp", "7", "--compute-s", "1"], "tp x pp = 7 x 1 = 7 does not divide the 960 GPUs"),
         (["--compute-s", "1"], "model size unknown: give --params"),
-        (["--params", "1e9", "--compute-s", "1", "--algorithms", "ring,fast"], "algorithm 'fast'; expected a comma list"),
+        (
+            ["--params", "1e9", "--compute-s", "1", "--algorithms", "ring,fast"],
+            "algorithm 'fast'; expected a comma list",
+        ),
         (["--params", "1e9"], "compute per step is unknown"),
-        (["--params", "1e9", "--compute-s", "1", "--top-fraction", "1.5"], "top_fraction = 1.5; expected a number in [0, 1]"),
+        (
+            ["--params", "1e9", "--compute-s", "1", "--top-fraction", "1.5"],
+            "top_fraction = 1.5; expected a number in [0, 1]",
+        ),
     ):
         assert sim_main(["--topology", topo_file, *argv]) == 2
         err = capsys.readouterr().err
@@ -434,7 +440,9 @@ def test_calibration_script_compare_and_collect(tmp_path, capsys):
             "hierarchical": {"seconds": 2 * hier_s * 0.9, "node_tx_bytes": 2 * 4_050_000}}})
         for r in range(4)) + "\n")
     out = tmp_path / "measured.json"
-    assert cal.main(["collect", "--name", "v2x2", "--topology", topo_file, "--lines", str(lines), "--out", str(out)]) == 0
+    assert (
+        cal.main(["collect", "--name", "v2x2", "--topology", topo_file, "--lines", str(lines), "--out", str(out)]) == 0
+    )
     data = json.loads(out.read_text())
     assert data["presets"][0]["bytes"] == 4_000_000
     assert rel(data["presets"][0]["measured"]["flat"], ring_s * 1.1) < 1e-9  # slowest rank, per iteration

@@ -304,7 +304,9 @@ def load_json_file(path: str | os.PathLike[str], *, what: str) -> Any:
         with open(path, "rb") as fh:
             raw = fh.read(MAX_CONFIG_BYTES + 1)
         if len(raw) > MAX_CONFIG_BYTES:  # a device or pipe (e.g. /dev/zero) whose size stat() does not tell
-            raise ConfigError(f"{path}: {what} is more than {MAX_CONFIG_BYTES} bytes; at most {MAX_CONFIG_BYTES} are accepted")
+            raise ConfigError(
+                f"{path}: {what} is more than {MAX_CONFIG_BYTES} bytes; at most {MAX_CONFIG_BYTES} are accepted"
+            )
     except ConfigError:
         raise
     except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte

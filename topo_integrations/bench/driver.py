@@ -234,12 +234,22 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
     train_npz, val_npz, manifest = prepare_data(spec, world, log)
 
     results: dict = {
-        "format": "topo-align/bench/v1", "command": command, "spec": asdict(spec) | {"systems": list(spec.systems)},
-        "preset": spec.preset, "preset_description": preset.description, "topology": topo.name,
-        "topology_file": os.path.relpath(spec.topology_file, REPO_ROOT), "group_by": group_by,
-        "layout": {"hosts": list(layout.hosts), "leaves": list(layout.leaves),
-                   "groups": [list(g) for g in layout.groups] if layout.groups else None},
-        "machine": machine_description(), "dataset": manifest, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "format": "topo-align/bench/v1",
+        "command": command,
+        "spec": asdict(spec) | {"systems": list(spec.systems)},
+        "preset": spec.preset,
+        "preset_description": preset.description,
+        "topology": topo.name,
+        "topology_file": os.path.relpath(spec.topology_file, REPO_ROOT),
+        "group_by": group_by,
+        "layout": {
+            "hosts": list(layout.hosts),
+            "leaves": list(layout.leaves),
+            "groups": [list(g) for g in layout.groups] if layout.groups else None,
+        },
+        "machine": machine_description(),
+        "dataset": manifest,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "systems": [],
     }
     uplink = spec.uplink_mbit if spec.uplink_mbit is not None else preset.uplink_mbit

@@ -188,11 +188,15 @@ class _Reducer(_Plain):
     def info(self) -> dict:
         st = self.reducer.stats()
         total = st["sync_elements"] + st["local_elements"]
-        return {"mode": st["mode"], "fallback_reason": st.get("fallback_reason"),
-                "sync_fraction": st["sync_elements"] / max(1, total),
-                "reconcile_interval": self.spec["reconcile_interval"],
-                "reconciles": st["optimizer_steps"] // self.spec["reconcile_interval"] if st["mode"] == "selective" else 0,
-                "reducer_bytes_total": st["total"]["bytes"], "reducer_steps": st["steps"]}
+        return {
+            "mode": st["mode"],
+            "fallback_reason": st.get("fallback_reason"),
+            "sync_fraction": st["sync_elements"] / max(1, total),
+            "reconcile_interval": self.spec["reconcile_interval"],
+            "reconciles": st["optimizer_steps"] // self.spec["reconcile_interval"] if st["mode"] == "selective" else 0,
+            "reducer_bytes_total": st["total"]["bytes"],
+            "reducer_steps": st["steps"],
+        }
 
 
 class _DeepSpeed(_Plain):

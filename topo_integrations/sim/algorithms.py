@@ -329,7 +329,9 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
     if f > 0:
         streams.append(Stream("sync", f, _hier2_phases(fab, intra, rails, sync_b, sync_b, "SYNC "), spec.pipelined))
     if f < 1:
-        streams.append(Stream("local", 1.0 - f, [ring_phase(fab, intra, local_b, "allreduce", "LOCAL intra all-reduce")], True))
+        streams.append(
+            Stream("local", 1.0 - f, [ring_phase(fab, intra, local_b, "allreduce", "LOCAL intra all-reduce")], True)
+        )
     background: list[Phase] = []
     if f < 1:
         h = spec.reconcile_interval

@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--pp", type=int, help="pipeline-parallel size (default 1); DP = GPUs / (TP x PP)")
     m.add_argument("--num-layers", type=int, help="transformer layers (for the last-N share of selective)")
     m.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed config: precision and its topo_align block")
-    m.add_argument("--megatron-args", metavar="FILE", help="Megatron flags (.args or .json): model, TP/PP, batch, topo-align flags")
+    m.add_argument(
+        "--megatron-args", metavar="FILE", help="Megatron flags (.args or .json): model, TP/PP, batch, topo-align flags"
+    )
     c = p.add_argument_group("compute per step", "6 x params x tokens / (GPUs x MFU x peak), unless --compute-s; "
                              "missing inputs take the defaults of docs/costmodel.md, named in the output")
     c.add_argument("--compute-s", type=_float, help="forward+backward seconds per step")
@@ -66,10 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--inter-dtype", choices=list(DTYPE_BYTES), help="wire dtype of the plugin's cross-group phases")
     o.add_argument("--top-fraction", type=_float, help="selective: SYNC share chosen by importance (default 0.15)")
     o.add_argument("--last-n-layers", type=int, help="selective: last N layers always SYNC (default 5)")
-    o.add_argument("--last-n-share", type=_float, help="selective: share of the gradient in the last N layers (overrides the layer count)")
+    o.add_argument(
+        "--last-n-share",
+        type=_float,
+        help="selective: share of the gradient in the last N layers (overrides the layer count)",
+    )
     o.add_argument("--sync-dtype", choices=list(DTYPE_BYTES), help="selective: SYNC wire dtype (default fp32)")
     o.add_argument("--local-dtype", choices=list(DTYPE_BYTES), help="selective: LOCAL wire dtype (default fp16)")
-    o.add_argument("--reconcile-dtype", choices=list(DTYPE_BYTES), help="selective: dtype of parameters averaged at reconciliation (default fp32)")
+    o.add_argument(
+        "--reconcile-dtype",
+        choices=list(DTYPE_BYTES),
+        help="selective: dtype of parameters averaged at reconciliation (default fp32)",
+    )
     o.add_argument("--reconcile-interval", type=int, help="selective: steps between reconciliations (default 4)")
     o.add_argument("--async-reconcile", dest="async_reconcile", action="store_true", default=None)
     o.add_argument("--sync-reconcile", dest="async_reconcile", action="store_false")
@@ -100,7 +110,9 @@ def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions
     if "params" in kw:
         params_known = True
     if not params_known:
-        raise SimError("model size unknown: give --params (e.g. 175e9) or --megatron-args with --num-layers and --hidden-size")
+        raise SimError(
+            "model size unknown: give --params (e.g. 175e9) or --megatron-args with --num-layers and --hidden-size"
+        )
     wl = wl.with_(**kw)
     opt = options_from_block(wl.topo_align, SimOptions())
     okw = {"algorithms": tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),

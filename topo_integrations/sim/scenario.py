@@ -156,7 +156,7 @@ def _cost(key: str, fab: Fabric, groups, wl: Workload, opt: SimOptions, spec: Se
 
 def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: float, backward_s: float) -> Row:
     bucket_bytes = opt.bucket_mb * MIB
-    ends, exposed, busy, nb, blat = [], 0.0, 0.0, 0, 0.0
+    exposed, busy, nb, blat = 0.0, 0.0, 0, 0.0
     for s in cost.streams:
         tl = bucket_timeline(s.grad_fraction * wl.grad_bytes, bucket_bytes, s.bandwidth_s, s.latency_s,
                              backward_s, opt.overlap)

@@ -79,7 +79,7 @@ def _hosts(v: Any, path: str, src: str, default_gpus: int) -> list[tuple[str, in
             gpus = _int(item.get("gpus", default_gpus), f"{path}[{i}].gpus", src, 1, 4096)
             out.append((host, gpus))
         else:
-            raise TopologyError(f"{_where(src, f'{path}[{i}]')} = {item!r}; expected a host name or {{\"host\", \"gpus\"}}")
+            raise TopologyError(f'{_where(src, f"{path}[{i}]")} = {item!r}; expected a host name or {{"host", "gpus"}}')
     return out
 
 
@@ -149,7 +149,9 @@ def topology_from_dict(data: Any, *, source: str = "file") -> Topology:
         pod = _str(leaf.get("pod", "pod0"), f"leaves[{li}].pod", source)
         for host, n in _hosts(leaf.get("hosts"), f"leaves[{li}].hosts", source, gpn):
             if host in seen_hosts:
-                raise TopologyError(f"{source}: host {host!r} is listed twice (leaves {seen_hosts[host]!r} and {lname!r})")
+                raise TopologyError(
+                    f"{source}: host {host!r} is listed twice (leaves {seen_hosts[host]!r} and {lname!r})"
+                )
             seen_hosts[host] = lname
             if len(places) + n > MAX_RANKS:
                 raise TopologyError(f"{source}: more than {MAX_RANKS} ranks")

@@ -114,9 +114,13 @@ class Topology:
         seen: set[tuple[str, int]] = set()
         for p in self.ranks:
             if host_leaf.setdefault(p.host, p.leaf) != p.leaf:
-                raise TopologyError(f"{self.name}: host {p.host!r} is under two leaves ({host_leaf[p.host]!r}, {p.leaf!r})")
+                raise TopologyError(
+                    f"{self.name}: host {p.host!r} is under two leaves ({host_leaf[p.host]!r}, {p.leaf!r})"
+                )
             if island_leaf.setdefault(p.island, p.leaf) != p.leaf:
-                raise TopologyError(f"{self.name}: island {p.island!r} spans leaves {island_leaf[p.island]!r} and {p.leaf!r}")
+                raise TopologyError(
+                    f"{self.name}: island {p.island!r} spans leaves {island_leaf[p.island]!r} and {p.leaf!r}"
+                )
             key = (p.host, p.local_rank)
             if key in seen:
                 raise TopologyError(f"{self.name}: host {p.host!r} has local rank {p.local_rank} twice")

@@ -84,11 +84,14 @@ def parse_nvidia_smi(text: str, *, source: str = "nvidia-smi") -> NodeLayout:
             f"{source}: no header row starting with 'GPU0'; expected the output of `nvidia-smi topo -m`"
         )
     if len(columns) > MAX_GPUS + 1024:
-        raise TopologyError(f"{source}: line {header_at + 1}: {len(columns)} device columns; at most {MAX_GPUS + 1024} accepted")
+        raise TopologyError(
+            f"{source}: line {header_at + 1}: {len(columns)} device columns; at most {MAX_GPUS + 1024} accepted"
+        )
     gpus = [c for c in columns if _GPU.match(c)]
     if [c for c in columns[: len(gpus)]] != [f"GPU{i}" for i in range(len(gpus))]:
         raise TopologyError(
-            f"{source}: line {header_at + 1}: GPU columns must come first as GPU0, GPU1, ... in order; got {columns[:len(gpus) + 1]}"
+            f"{source}: line {header_at + 1}: GPU columns must come first as GPU0, GPU1, ... in order; "
+            f"got {columns[: len(gpus) + 1]}"
         )
     n = len(gpus)
     col_index = {c: j for j, c in enumerate(columns)}
@@ -124,7 +127,8 @@ def parse_nvidia_smi(text: str, *, source: str = "nvidia-smi") -> NodeLayout:
         cells = toks[1 : 1 + len(columns)]
         if len(cells) < len(columns):
             raise TopologyError(
-                f"{source}: line {i + 1}: row {name!r} has {len(cells)} cells; expected {len(columns)} (one per device column)"
+                f"{source}: line {i + 1}: row {name!r} has {len(cells)} cells; "
+                f"expected {len(columns)} (one per device column)"
             )
         for j, cell in enumerate(cells):
             ok = (cell == "X") == (j == col_index[name]) and (cell == "X" or cell in _PCIE or _NV.match(cell))

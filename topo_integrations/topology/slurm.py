@@ -71,7 +71,9 @@ def parse_topology_conf(text: str, *, source: str = "topology.conf") -> SlurmTre
             raise TopologyError(f"{source}: line {i}: switch {name!r} already defined on line {switch_line[name]}")
         switch_line[name] = i
         if "nodes" in kv and "switches" in kv:
-            raise TopologyError(f"{source}: line {i}: switch {name!r} has both Nodes= and Switches=; a switch has one or the other")
+            raise TopologyError(
+                f"{source}: line {i}: switch {name!r} has both Nodes= and Switches=; a switch has one or the other"
+            )
         if "nodes" in kv:
             try:
                 names = expand_hostlist(kv["nodes"])
@@ -79,7 +81,10 @@ def parse_topology_conf(text: str, *, source: str = "topology.conf") -> SlurmTre
                 raise TopologyError(f"{source}: line {i}: Nodes=: {exc}") from None
             for h in names:
                 if h in leaf_of:
-                    raise TopologyError(f"{source}: line {i}: node {h!r} is already under switch {leaf_of[h]!r}; topology/tree is a strict tree")
+                    raise TopologyError(
+                        f"{source}: line {i}: node {h!r} is already under switch {leaf_of[h]!r}; "
+                        "topology/tree is a strict tree"
+                    )
                 leaf_of[h] = name
                 hosts.append(h)
             leaves.append(name)
