@@ -18,7 +18,7 @@
 _die() { echo "error: $*" >&2; exit 2; }
 
 # NCCL reads only the settings it knows; a few widely copied ones are invalid or do nothing
-# (shared/research/topo.md, Part 2.1). Refuse the harmful ones before starting hundreds of ranks.
+# (docs/cli.md, `doctor`). Refuse the harmful ones before starting hundreds of ranks.
 _check_nccl_env() {
   if [ -n "${NCCL_ALGO:-}" ]; then
     local tok

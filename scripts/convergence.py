@@ -2,7 +2,7 @@
 """Convergence evidence: model quality of `selective` (and `hierarchical`) against `flat`.
 
 Trains the same model from the same seed on the same global batches under `flat` (the reference),
-`hierarchical` and `selective` with a one-factor-at-a-time grid around the DESIGN defaults, on two
+`hierarchical` and `selective` with a one-factor-at-a-time grid around the default config, on two
 tasks, with the framework-free GroupedReducer on 4 gloo ranks in 2 groups (2 virtual nodes x 2,
 faked with TOPO_ALIGN_HOSTNAME):
 
@@ -37,7 +37,7 @@ HOSTNAME_ENV = "TOPO_ALIGN_HOSTNAME"
 WORLD = 4
 GROUP = 2
 
-# The DESIGN defaults (config.py) are what `selective` with no override runs.
+# The default config (config.py) is what `selective` with no override runs.
 DEFAULTS = {"sync.top_fraction": 0.15, "sync.last_n_layers": 5, "local.reconcile_interval": 4,
             "importance.method": "fisher", "local.async_reconcile": True}
 
@@ -272,7 +272,7 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
         loss = task.loss(model, x, y)
         loss.backward()
         red.finish_grad_sync()
-        # Clip at 1.0 on the norm every rank agrees on (DESIGN invariant 2).
+        # Clip at 1.0 on the norm every rank agrees on (invariant 2 of docs/design.md).
         sq = sum(p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None)
         norm = float(red.global_grad_norm_sq(sq.reshape(1)).sqrt())
         if norm > 1.0:

@@ -6,7 +6,7 @@
 
 Everything here is simulated (alpha-beta model), not measured. Inputs: configs/topologies/
 dgx-a100-superpod-960{,-2to1}.json; GPT-3 175B (96 layers), bf16 gradients, 1536 x 2048 tokens per
-step at 40% MFU of 312 TFLOP/s; the design's default "topo_align" block (DESIGN.md 5.1) for selective.
+step at 40% MFU of 312 TFLOP/s; the default "topo_align" block (README.md, "Config reference") for selective.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ DOC = os.path.join(ROOT, "docs", "costmodel.md")
 KEYS = ["ring", "tree", "nccl", "hier2", "hier2-b2b", "hier3", "hier3-b2b", "selective"]
 FABRICS = [("1:1", "leaf"), ("1:1", "scattered"), ("2:1", "leaf"), ("2:1", "scattered")]
 LAYOUTS = [("pure DP (TP1 x PP1 x DP960)", 1, 1), ("TP8 x PP8 x DP15", 8, 8)]
-# research/costmodel_960gpu_output.txt (first estimate; NCCL latencies 6/14 us, pipelined times).
+# The design's first estimate (made before this model; NCCL latencies 6/14 us, pipelined times),
+# shown beside this model's figures in docs/costmodel.md 2.3.
 RESEARCH = {
     ("pure", "1:1", "leaf"): {
         "ring": 3.655,
@@ -141,7 +142,7 @@ def tables(results) -> str:
     parts.append("")
     # Against the first estimate
     parts.append(
-        "#### Against research/topo.md's first estimate (one all-reduce, pipelined where it applies), seconds\n"
+        "#### Against the design's first estimate (one all-reduce, pipelined where it applies), seconds\n"
     )
     parts.append("| case | algorithm | first estimate | this model | difference |\n|---|---|---:|---:|---:|")
     for (lay, over, order), vals in RESEARCH.items():

@@ -1,4 +1,5 @@
-"""TopoAlignConfig: defaults equal DESIGN.md 5.1, every rejection names field, value and what is accepted."""
+"""TopoAlignConfig: defaults equal the README's config reference; every rejection names field, value and
+what is accepted."""
 
 from __future__ import annotations
 

@@ -385,7 +385,7 @@ def test_flat_topology_falls_back_or_refuses(world):
 def test_monitor_scalars_and_comms_logger(world):
     rec = _ok(world, "monitor")
     # The adapter's collectives go through deepspeed.comm, so comms_logger sees them: stock ZeRO-2
-    # issues no reduce_scatter_tensor (research/deepspeed.md 1.3); the hierarchical sum does.
+    # issues no reduce_scatter_tensor (docs/deepspeed.md); the hierarchical sum does.
     assert "reduce_scatter_tensor" in rec["ops"] and "all_gather_into_tensor" in rec["ops"], rec["ops"]
     assert rec["stats"].get("inter/sync/bytes", 0) > 0
     # Reducer statistics arrive in DeepSpeed's monitor (CSV backend here) as scalars.

@@ -273,7 +273,7 @@ def test_reconcile_sync_vs_async_in_step_time():
     assert rel(sync.step_s - asy.step_s, sync.background_s) < 1e-9  # hidden behind 5 s of compute
 
 
-# -- the 960-GPU SuperPOD against research/topo.md's first estimate -----------------------------------
+# -- the 960-GPU SuperPOD against the design's first estimate (docs/costmodel.md 2.3) ----------------------
 
 
 def superpod(over: float = 1.0) -> Topology:
@@ -287,7 +287,7 @@ def superpod(over: float = 1.0) -> Topology:
 
 def test_superpod_960_agrees_with_first_estimate():
     res = simulate(superpod(), Workload(175e9, "bf16", compute_s=30.0), SimOptions(overlap=False))
-    # research/costmodel_960gpu_output.txt: ring 3.655 s, 2-level 3.619 / 6.282 s, 3-level 3.616 s
+    # the first estimate: ring 3.655 s, 2-level 3.619 / 6.282 s, 3-level 3.616 s
     assert rel(res.row("ring").comm_s, 3.655) < 0.01
     assert rel(res.row("hier2").comm_s, 3.619) < 0.001
     assert rel(res.row("hier2-b2b").comm_s, 6.282) < 0.001

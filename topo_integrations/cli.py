@@ -1,4 +1,4 @@
-"""The ``topo-align`` command (DESIGN.md 5.5).
+"""The ``topo-align`` command (docs/cli.md).
 
     topo-align show SOURCE... [--json] [--plot FILE.png]
     topo-align plan SOURCE... [--json] [--group-by island|leaf] [--min-tier-ratio R] [--middle-level]

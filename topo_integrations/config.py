@@ -182,7 +182,7 @@ class MonitorConfig(_Section):
 
 
 class TopoAlignConfig(_Section):
-    """The whole ``"topo_align"`` block (DESIGN.md 5.1)."""
+    """The whole ``"topo_align"`` block (README.md, "Config reference")."""
 
     enabled: bool = True
     """Turn the plugin on; `false` leaves the framework's own reduction untouched."""

@@ -1,6 +1,7 @@
 """`topo-align doctor`: check NCCL/UCX/PyTorch settings, IB ports and whether the tiers differ enough.
 
-Facts come from research/topo.md Part 2.1 (NCCL 2.30 source, PyTorch docs). Every finding names the
+Facts come from the NCCL 2.30 source (src/misc/param.cc, src/graph/tuning.cc, src/transport/) and the
+NCCL and PyTorch environment-variable docs; docs/cli.md ("doctor") lists them. Every finding names the
 variable, its value, what is wrong and the valid alternative. Pure: the environment, the sysfs root
 and the topology are parameters.
 """

@@ -142,7 +142,7 @@ def _block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
 
 
 class _Reducer(_Plain):
-    """GroupedReducer (DESIGN 5.4) on the plain loop: backward -> finish_grad_sync -> clip on the
+    """GroupedReducer (docs/reducer.md) on the plain loop: backward -> finish_grad_sync -> clip on the
     agreed norm -> step -> after_optimizer_step(optimizer)."""
 
     def __init__(self, spec: dict, mode: str):

@@ -279,7 +279,7 @@ def hierarchical_3level(fab: Fabric, groups: np.ndarray, nbytes: float, *, pipel
 
 @dataclass(frozen=True)
 class SelectiveSpec:
-    """The `selective` mode's knobs (DESIGN.md 4), as the cost model needs them."""
+    """The `selective` mode's knobs (docs/reducer.md), as the cost model needs them."""
 
     top_fraction: float = 0.15
     last_n_share: float = 0.0

@@ -51,8 +51,8 @@ class Tier:
         }
 
 
-# Effective figures for a DGX A100 SuperPOD (research/topo.md Part 1(e)): NVLink ~230 GB/s per GPU,
-# HDR ~24 GB/s per GPU, PCIe/SMP between bridged pairs ~20 GB/s.
+# Effective figures for a DGX A100 SuperPOD (docs/topology-format.md, "Where the estimates come
+# from"): NVLink ~230 GB/s per GPU, HDR ~24 GB/s per GPU, PCIe/SMP between bridged pairs ~20 GB/s.
 DEFAULT_TIERS: dict[str, Tier] = {
     "island": Tier("island", 230.0, 2.0),
     "host": Tier("host", 20.0, 5.0),

@@ -1,6 +1,6 @@
 """NCCL topology XML (``NCCL_TOPO_DUMP_FILE`` output, ``NCCL_TOPO_FILE`` input) -> `NodeLayout`.
 
-Schema (research/topo.md Part 1(b)): ``<system>`` > ``<cpu>`` > nested ``<pci busid class ...>`` >
+Schema (NCCL 2.30 ``src/graph/xml.h``, ``xml.cc``): ``<system>`` > ``<cpu>`` > nested ``<pci busid class ...>`` >
 ``<gpu dev ...>`` with ``<nvlink target count tclass>`` children, and ``<nic>`` > ``<net name speed>``.
 NVLink islands are the connected components of GPUs joined directly (target is another GPU's bus id)
 or through an NVSwitch (``tclass="0x068000"``).

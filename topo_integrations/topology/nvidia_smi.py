@@ -1,6 +1,6 @@
 """``nvidia-smi topo -m`` text -> the `NodeLayout` of one node.
 
-Accepted shapes (research/topo.md Part 1(a)): a header row of device columns (``GPU0 .. GPUn``, then
+Accepted shapes (docs/topology-format.md, ``nvidia-smi``): a header row of device columns (``GPU0 .. GPUn``, then
 either ``NIC0 ..`` with a ``NIC Legend:`` block, or the older ``mlx5_N`` columns), followed by
 ``CPU Affinity`` etc.; one row per device; cells separated by tabs or spaces. Lines before the header
 (comments, the ``$ nvidia-smi topo -m`` prompt) and the ``Legend:`` block are skipped.

@@ -5,7 +5,8 @@
 
 Leaves are the switches with ``Nodes=`` (or ``BlockName=`` blocks); a leaf's pod is the switch that
 lists it in ``Switches=`` (``pod0`` when none does). On a rail-optimised SuperPOD the usual practice
-is one logical leaf per scalable unit (research/topo.md Part 1(c)); that is what the leaves then mean.
+is one logical leaf per scalable unit (docs/topology-format.md, ``slurm``); that is what the leaves
+then mean.
 Keys are case-insensitive as in Slurm; ``LinkSpeed`` is accepted and ignored (Slurm ignores it too).
 
 The node list (``SLURM_JOB_NODELIST`` syntax, e.g. ``dgx[001-020,045]``) gives the job's hosts in

@@ -113,7 +113,7 @@ def add_common_args(ap: argparse.ArgumentParser, *, topo_flags: bool = True) -> 
     g.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="exit (without a final checkpoint) after this step, as if killed; for testing --resume")
 
-    g = ap.add_argument_group("topo-align (the \"topo_align\" block, DESIGN.md 5.1)")
+    g = ap.add_argument_group("topo-align (the \"topo_align\" block, README.md: Config reference)")
     g.add_argument("--no-topo-align", action="store_true", help="stock framework reduction (the baseline)")
     if topo_flags:
         g.add_argument("--topo-align-config", default=None, metavar="FILE",
