@@ -264,34 +264,37 @@ def test_slow_link_run_completes_ranks_agree_and_logs(tmp_path):
         print(f"steps {lo}-{hi}: median {ts[len(ts) // 2] * 1e3:.0f} ms, levels {sorted(set(levels[0][lo - 1:hi]))}")
 
 
-@pytest.mark.timeout(300)
+# Time limits here only bound a failure; they are generous, so a heavily loaded machine (one run
+# here at load average 97 took over 150 s for 12 steps) slows the test without failing it.
+@pytest.mark.timeout(1800)
 def test_cut_link_fails_fast_and_restart_resumes_bitwise(tmp_path):
     import torch
 
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     common = ["--steps", "12", "--save-every", "4", "--timeout-s", "10"]
     with _cluster() as cl:
-        res = cl.launch([sys.executable, WORKER, "--out", str(ref), *common], timeout=150, port=_port(),
+        res = cl.launch([sys.executable, WORKER, "--out", str(ref), *common], timeout=600, port=_port(),
                         out=io.StringIO())
         assert res.exit_code == 0, res.reason
-        run = _Runner(cl, ["--out", str(cut), *common, "--pause-at", "6"], timeout=150)
-        run.wait_pause(cut, 6)
+        run = _Runner(cl, ["--out", str(cut), *common, "--pause-at", "6"], timeout=600)
+        run.wait_pause(cut, 6, timeout=500)
         cl.link_down("node1")
-        t_cut = time.monotonic()
         (cut / "resume_6").write_text("1")
-        failed = run.join()
-        took = run.t_end - t_cut
+        failed = run.join(timeout=700)
         log = run.buf.getvalue()
+        # the job ends with the named error (exit 3), not by the launcher's time limit (a hang: 124)
         assert failed.exit_code == EXIT_COLLECTIVE, (failed.reason, log[-3000:])
-        # the named error comes within the 10 s timeout plus the time to notice and exit (generous:
-        # a loaded machine slows the exit, not the timeout); a hang would run into launch's 150 s
-        assert took <= 10 + 60, took
-        assert re.search(r"CollectiveError: topo_align: (all_reduce|reduce_scatter|all_gather)\S* on the "
-                         r"(inter|intra|data-parallel) group \(global ranks [0-9, ]+\) failed after [0-9.]+s, "
-                         r"timeout 10s", log), log[-3000:]
+        after = [float(x) for x in re.findall(
+            r"CollectiveError: topo_align: (?:all_reduce|reduce_scatter|all_gather)\S* on the "
+            r"(?:inter|intra|data-parallel) group \(global ranks [0-9, ]+\) failed after ([0-9.]+)s, "
+            r"timeout 10s", log)]
+        assert after, log[-3000:]
+        # a collective gave up at its 10 s timeout (measured by the rank itself; load may add the time
+        # the rank waited for a CPU, not a wait for the dead link); peers may fail sooner, reset by it
+        assert any(9.5 <= x < 10 + 60 for x in after), after
         cl.link_up("node1")
         buf = io.StringIO()
-        res = cl.launch([sys.executable, WORKER, "--out", str(cut), *common, "--resume"], timeout=150,
+        res = cl.launch([sys.executable, WORKER, "--out", str(cut), *common, "--resume"], timeout=600,
                         port=_port(), out=buf)
         assert res.exit_code == 0, buf.getvalue()[-3000:]
         assert "resumed from step 4" in buf.getvalue()
@@ -301,7 +304,7 @@ def test_cut_link_fails_fast_and_restart_resumes_bitwise(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_probe_job_warns_about_the_slow_link(tmp_path):
     from topo_integrations.diagnostics import run_probe_job
 
@@ -309,7 +312,7 @@ def test_probe_job_warns_about_the_slow_link(tmp_path):
     cfg.write_text(json.dumps({"topology": {"source": "file", "file": str(TOPO_2X2)}}))
     with _cluster() as cl:
         cl.set_link("node1", rate_mbit=20)  # both rails cross node1's uplink
-        res = run_probe_job(cluster=cl, config=str(cfg), timeout=150)
+        res = run_probe_job(cluster=cl, config=str(cfg), timeout=600)
     _our_namespaces_gone(cl)
     f = {x["what"]: x for x in res["findings"]}
     for rail in ("inter group (global ranks 0, 2)", "inter group (global ranks 1, 3)"):
