@@ -10,6 +10,8 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        # tests/test_lint.py runs `ruff check` with ruff.toml.
+        "ruff>=0.17",
         # load_digits (ships inside the package) for the convergence evidence (scripts/convergence.py).
         "scikit-learn>=1.4",
     ],

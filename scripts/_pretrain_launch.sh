@@ -13,12 +13,14 @@
 #   --hostfile FILE                         [HOSTFILE]  "host slots=N" lines; ssh starts every node
 #   --virtual-nodes K                       [VIRTUAL_NODES]  one machine as K nodes (default 2 on CPU)
 #   --skip-setup                            [TOPO_ALIGN_SKIP_SETUP=1]  use the current .venv as it is
+#   --dry-run                               [TOPO_ALIGN_DRY_RUN=1]  check the flags, print the launch
+#                                           command, start nothing (what the docs test runs)
 # Everything else goes to the Python entry point (see `--help`).
 
 _die() { echo "error: $*" >&2; exit 2; }
 
 # NCCL reads only the settings it knows; a few widely copied ones are invalid or do nothing
-# (shared/research/topo.md, Part 2.1). Refuse the harmful ones before starting hundreds of ranks.
+# (docs/cli.md, `doctor`). Refuse the harmful ones before starting hundreds of ranks.
 _check_nccl_env() {
   if [ -n "${NCCL_ALGO:-}" ]; then
     local tok
@@ -41,6 +43,7 @@ pretrain_launch() {
   local nproc="${NPROC_PER_NODE:-}" nnodes="${NNODES:-}" node_rank="${NODE_RANK:-}"
   local master_addr="${MASTER_ADDR:-}" master_port="${MASTER_PORT:-29500}"
   local hostfile="${HOSTFILE:-}" vnodes="${VIRTUAL_NODES:-}" skip_setup="${TOPO_ALIGN_SKIP_SETUP:-0}"
+  local dry_run="${TOPO_ALIGN_DRY_RUN:-0}"
   local args=()
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -52,6 +55,7 @@ pretrain_launch() {
       --hostfile) hostfile=${2:?"--hostfile needs a value"}; shift 2 ;;
       --virtual-nodes) vnodes=${2:?"--virtual-nodes needs a value"}; shift 2 ;;
       --skip-setup) skip_setup=1; shift ;;
+      --dry-run) dry_run=1; shift ;;
       *) args+=("$1"); shift ;;
     esac
   done
@@ -82,6 +86,7 @@ pretrain_launch() {
             --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "${SLURM_JOB_ID}")
   elif [ -n "$hostfile" ]; then
     [ -f "$hostfile" ] || _die "--hostfile $hostfile: no such file"
+    [ "$dry_run" != 1 ] || { echo "dry run: would start every host of $hostfile over ssh" >&2; return 0; }
     local hosts=() slots=() line h s
     while read -r line; do
       line=${line%%#*}; h=$(echo "$line" | awk '{print $1}'); [ -n "$h" ] || continue
@@ -120,5 +125,9 @@ pretrain_launch() {
     *) "$py" -m "$module" --check-args "${args[@]}" || exit $? ;;
   esac
 
+  if [ "$dry_run" = 1 ]; then
+    echo "dry run: $py -m torch.distributed.run ${launch[*]} --nproc-per-node $nproc -m $module ${args[*]}"
+    return 0
+  fi
   exec "$py" -m torch.distributed.run "${launch[@]}" --nproc-per-node "$nproc" -m "$module" "${args[@]}"
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from topo_integrations.emulate import bench_cli
+from topo_integrations.bench import cli as bench_cli
 
 
 def main(argv: list[str] | None = None) -> int:

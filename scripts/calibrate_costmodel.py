@@ -98,7 +98,10 @@ def predict(topo_path: str, nbytes: float, algorithm: str, rank_order: str = "fi
 
 def compare(data, *, tolerance: float) -> tuple[str, bool]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CalibrationError(f"measured results: format = {data.get('format') if isinstance(data, dict) else data!r}; expected {FORMAT!r}")
+        raise CalibrationError(
+            "measured results: format = "
+            f"{data.get('format') if isinstance(data, dict) else data!r}; expected {FORMAT!r}"
+        )
     presets = data.get("presets")
     if not isinstance(presets, list) or not presets:
         raise CalibrationError("measured results: presets must be a non-empty list")
@@ -137,8 +140,10 @@ def compare(data, *, tolerance: float) -> tuple[str, bool]:
             good = abs(err) <= tolerance
             ok &= good
             mtx = tx.get(alg, tx.get(key))
-            lines.append(f"| {name} | {ALGORITHMS[key]} | {nbytes:.4g} | {med:.4g} ({spread:.2g}) | {pred:.4g} | "
-                         f"{err:+.1%} | {'yes' if good else 'NO'} | {'-' if mtx is None else f'{mtx:.4g}'} | {pred_tx:.4g} |")
+            lines.append(
+                f"| {name} | {ALGORITHMS[key]} | {nbytes:.4g} | {med:.4g} ({spread:.2g}) | {pred:.4g} | "
+                f"{err:+.1%} | {'yes' if good else 'NO'} | {'-' if mtx is None else f'{mtx:.4g}'} | {pred_tx:.4g} |"
+            )
     return "\n".join(lines) + "\n", ok
 
 

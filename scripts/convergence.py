@@ -2,7 +2,7 @@
 """Convergence evidence: model quality of `selective` (and `hierarchical`) against `flat`.
 
 Trains the same model from the same seed on the same global batches under `flat` (the reference),
-`hierarchical` and `selective` with a one-factor-at-a-time grid around the DESIGN defaults, on two
+`hierarchical` and `selective` with a one-factor-at-a-time grid around the default config, on two
 tasks, with the framework-free GroupedReducer on 4 gloo ranks in 2 groups (2 virtual nodes x 2,
 faked with TOPO_ALIGN_HOSTNAME):
 
@@ -37,7 +37,7 @@ HOSTNAME_ENV = "TOPO_ALIGN_HOSTNAME"
 WORLD = 4
 GROUP = 2
 
-# The DESIGN defaults (config.py) are what `selective` with no override runs.
+# The default config (config.py) is what `selective` with no override runs.
 DEFAULTS = {"sync.top_fraction": 0.15, "sync.last_n_layers": 5, "local.reconcile_interval": 4,
             "importance.method": "fisher", "local.async_reconcile": True}
 
@@ -161,7 +161,9 @@ class GPTTask:
         import torch
         L = self.cfg.seq_length
         g = torch.Generator().manual_seed(1_000_003 * self.seed + step)
-        starts = torch.randint(0, len(self.train) - L - 1, (micro * WORLD,), generator=g)[rank * micro:(rank + 1) * micro]
+        starts = torch.randint(0, len(self.train) - L - 1, (micro * WORLD,), generator=g)[
+            rank * micro : (rank + 1) * micro
+        ]
         x = torch.stack([self.train[s:s + L] for s in starts.tolist()])
         y = torch.stack([self.train[s + 1:s + L + 1] for s in starts.tolist()])
         return x, y
@@ -174,8 +176,8 @@ class GPTTask:
         import torch
         n = len(self.val_x) // WORLD
         with torch.no_grad():
-            l = model(self.val_x[rank * n:(rank + 1) * n], self.val_y[rank * n:(rank + 1) * n])
-        return {"sum": float(l) * n, "n": n}
+            loss = model(self.val_x[rank * n:(rank + 1) * n], self.val_y[rank * n:(rank + 1) * n])
+        return {"sum": float(loss) * n, "n": n}
 
 
 class DigitsTask:
@@ -303,7 +305,11 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
     ema = None
     for s in range(steps):
         # linear warm-up, cosine decay to 10 %
-        f = (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+        f = (
+            (s + 1) / warmup
+            if s < warmup
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+        )
         for gr in opt.param_groups:
             gr["lr"] = lr * f
         x, y = task.batch(s, rank, micro)
@@ -312,7 +318,7 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
         loss = task.loss(model, x, y)
         loss.backward()
         red.finish_grad_sync()
-        # Clip at 1.0 on the norm every rank agrees on (DESIGN invariant 2).
+        # Clip at 1.0 on the norm every rank agrees on (invariant 2 of docs/design.md).
         sq = sum(p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None)
         norm = float(red.global_grad_norm_sq(sq.reshape(1)).sqrt())
         if norm > 1.0:
@@ -409,8 +415,11 @@ def report(results: list[dict], img_dir: Path) -> str:
             steps = r0["curve"][-1][0]
             hist = r0["drift"]["history"]
             drift = max(h[1] for h in hist) if hist else None
-            lines.append(f"| {n} | {vals} | {mean:.{4 if task == 'gpt' else 2}f} | {g} | {share:.2f} | {r0['inter_bytes'] / steps / 1024:.1f} KiB"
-                         f" | {'' if drift is None else f'{drift:.2e}'} | {statistics.mean(r['wall_s'] for r in rr):.0f} |")
+            lines.append(
+                f"| {n} | {vals} | {mean:.{4 if task == 'gpt' else 2}f} | {g} | {share:.2f} "
+                f"| {r0['inter_bytes'] / steps / 1024:.1f} KiB"
+                f" | {'' if drift is None else f'{drift:.2e}'} | {statistics.mean(r['wall_s'] for r in rr):.0f} |"
+            )
         lines.append("")
         # curves: one panel for the mode comparison, one per grid factor
         panels = {"modes": ["flat", "hierarchical", "selective-default"]}

@@ -6,7 +6,7 @@
 
 Everything here is simulated (alpha-beta model), not measured. Inputs: configs/topologies/
 dgx-a100-superpod-960{,-2to1}.json; GPT-3 175B (96 layers), bf16 gradients, 1536 x 2048 tokens per
-step at 40% MFU of 312 TFLOP/s; the design's default "topo_align" block (DESIGN.md 5.1) for selective.
+step at 40% MFU of 312 TFLOP/s; the default "topo_align" block (README.md, "Config reference") for selective.
 """
 
 from __future__ import annotations
@@ -27,10 +27,25 @@ DOC = os.path.join(ROOT, "docs", "costmodel.md")
 KEYS = ["ring", "tree", "nccl", "hier2", "hier2-b2b", "hier3", "hier3-b2b", "selective"]
 FABRICS = [("1:1", "leaf"), ("1:1", "scattered"), ("2:1", "leaf"), ("2:1", "scattered")]
 LAYOUTS = [("pure DP (TP1 x PP1 x DP960)", 1, 1), ("TP8 x PP8 x DP15", 8, 8)]
-# research/costmodel_960gpu_output.txt (first estimate; NCCL latencies 6/14 us, pipelined times).
+# The design's first estimate (made before this model; NCCL latencies 6/14 us, pipelined times),
+# shown beside this model's figures in docs/costmodel.md 2.3.
 RESEARCH = {
-    ("pure", "1:1", "leaf"): {"ring": 3.655, "tree": 3.930, "hier2": 3.619, "hier2-b2b": 6.282, "hier3": 3.616, "hier3-b2b": 6.279},
-    ("pure", "2:1", "scattered"): {"ring": 6.134, "tree": 6.077, "hier2": 6.080, "hier2-b2b": 6.282, "hier3": 3.616, "hier3-b2b": 6.431},
+    ("pure", "1:1", "leaf"): {
+        "ring": 3.655,
+        "tree": 3.930,
+        "hier2": 3.619,
+        "hier2-b2b": 6.282,
+        "hier3": 3.616,
+        "hier3-b2b": 6.279,
+    },
+    ("pure", "2:1", "scattered"): {
+        "ring": 6.134,
+        "tree": 6.077,
+        "hier2": 6.080,
+        "hier2-b2b": 6.282,
+        "hier3": 3.616,
+        "hier3-b2b": 6.431,
+    },
     ("3d", "1:1", "leaf"): {"ring": 0.426},
 }
 
@@ -53,7 +68,8 @@ def run_all():
         for over, order in FABRICS:
             for overlap in (True, False):
                 out[(lname, over, order, overlap)] = simulate(
-                    topos[over], workload(tp, pp), SimOptions(algorithms=tuple(KEYS), rank_order=order, overlap=overlap))
+                    topos[over], workload(tp, pp), SimOptions(algorithms=tuple(KEYS), rank_order=order, overlap=overlap)
+                )
     return out
 
 
@@ -78,13 +94,17 @@ def tables(results) -> str:
         parts.append(f"| algorithm | {cols} |\n{sep}")
         labels = dict(ALGORITHMS)
         for k in KEYS:
-            cells = [_cell(results[(lname, o, r, True)], k, lambda x: f"{x.comm_s:.3f} ({x.bottleneck})") for o, r in FABRICS]
+            cells = [
+                _cell(results[(lname, o, r, True)], k, lambda x: f"{x.comm_s:.3f} ({x.bottleneck})") for o, r in FABRICS
+            ]
             parts.append(f"| {labels.get(k, k)} | " + " | ".join(cells) + " |")
         parts.append("")
         for overlap in (True, False):
             what = ("25 MiB buckets launched during backward (overlap on)" if overlap
                     else "25 MiB buckets launched after backward (overlap off)")
-            parts.append(f"Step time, {what}: seconds (speed-up vs flat ring / vs NCCL tuner / vs 2-level NCCL-style):\n")
+            parts.append(
+                f"Step time, {what}: seconds (speed-up vs flat ring / vs NCCL tuner / vs 2-level NCCL-style):\n"
+            )
             parts.append(f"| algorithm | {cols} |\n{sep}")
             for k in KEYS:
                 cells = []
@@ -104,8 +124,10 @@ def tables(results) -> str:
         parts.append("")
     # Traffic
     parts.append("#### Traffic per GPU per step (pure DP, 1:1 spine), GB; change vs flat ring\n")
-    parts.append("| algorithm | NVLink | NIC (leaf + spine) | NIC vs ring | spine only (leaf order) | spine only (scattered) |\n"
-                 "|---|---:|---:|---:|---:|---:|")
+    parts.append(
+        "| algorithm | NVLink | NIC (leaf + spine) | NIC vs ring | spine only (leaf order) | spine only (scattered) |\n"
+        "|---|---:|---:|---:|---:|---:|"
+    )
     lname = LAYOUTS[0][0]
     lead, scat = results[(lname, "1:1", "leaf", True)], results[(lname, "1:1", "scattered", True)]
     ring = lead.row("ring").tier_bytes_per_gpu
@@ -119,14 +141,18 @@ def tables(results) -> str:
                      f"{b['spine'] / 1e9:.3f} | {bs['spine'] / 1e9:.2f} |")
     parts.append("")
     # Against the first estimate
-    parts.append("#### Against research/topo.md's first estimate (one all-reduce, pipelined where it applies), seconds\n")
+    parts.append(
+        "#### Against the design's first estimate (one all-reduce, pipelined where it applies), seconds\n"
+    )
     parts.append("| case | algorithm | first estimate | this model | difference |\n|---|---|---:|---:|---:|")
     for (lay, over, order), vals in RESEARCH.items():
         lname = LAYOUTS[0][0] if lay == "pure" else LAYOUTS[1][0]
         res = results[(lname, over, order, True)]
         for k, v in vals.items():
             mine = res.row(k).comm_s
-            parts.append(f"| {lname}, {over}, {order} | {res.row(k).label} | {v:.3f} | {mine:.3f} | {mine / v - 1:+.1%} |")
+            parts.append(
+                f"| {lname}, {over}, {order} | {res.row(k).label} | {v:.3f} | {mine:.3f} | {mine / v - 1:+.1%} |"
+            )
     parts.append("")
     return "\n".join(parts)
 
@@ -150,9 +176,11 @@ def verdicts(results) -> str:
                      f"best {top:.2f}x, worst {worst:.2f}x")
     lead = results[(LAYOUTS[0][0], "1:1", "leaf", True)]
     ring, tree, h2, sel = (lead.row(k) for k in ("ring", "tree", "hier2", "selective"))
-    lines.append(f"- one whole-gradient all-reduce, pure DP, 1:1, leaf order: selective {sel.comm_s:.2f} s vs flat ring "
-                 f"{ring.comm_s:.2f} s ({ring.comm_s / sel.comm_s:.2f}x), tree {tree.comm_s:.2f} s "
-                 f"({tree.comm_s / sel.comm_s:.2f}x), 2-level {h2.comm_s:.2f} s ({h2.comm_s / sel.comm_s:.2f}x)")
+    lines.append(
+        f"- one whole-gradient all-reduce, pure DP, 1:1, leaf order: selective {sel.comm_s:.2f} s vs flat ring "
+        f"{ring.comm_s:.2f} s ({ring.comm_s / sel.comm_s:.2f}x), tree {tree.comm_s:.2f} s "
+        f"({tree.comm_s / sel.comm_s:.2f}x), 2-level {h2.comm_s:.2f} s ({h2.comm_s / sel.comm_s:.2f}x)"
+    )
     lines.append("- latency of one all-reduce (paid per bucket), pure DP, 1:1: " + ", ".join(
         f"{k} {lead.row(k).latency_s * 1e3:.2f} ms" for k in ("ring", "tree", "hier2", "hier3")))
     td = results[(LAYOUTS[1][0], "1:1", "leaf", False)]

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-# DeepSpeed on CPU: never JIT-build the shm_comm op at start (research/deepspeed.md).
+# DeepSpeed on CPU: never JIT-build the shm_comm op at start (docs/deepspeed.md).
 export DS_ACCELERATOR=cpu
 exec .venv/bin/python -m pytest "$@"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from topo_integrations.bench.cli import write_section
 from topo_integrations.bench.report import markdown, summarize
 from topo_integrations.bench.systems import SYSTEMS, Layout, System, availability, ring_bytes, theory_bytes
-from topo_integrations.emulate.bench_cli import write_section
 from topo_integrations.emulate.netns import list_namespaces, probe_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def quick_run(tmp_path_factory):
         pytest.skip(f"emulated cluster unavailable: {_REASON}")
     out = tmp_path_factory.mktemp("bench")
     md = out / "benchmarks.md"
-    proc = subprocess.Popen([PY, "-m", "topo_integrations.emulate.bench_cli", "--quick", "--systems", "ddp,topo-hier",
+    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--quick", "--systems", "ddp,topo-hier",
                              "--out-dir", str(out), "--markdown", str(md), "--img-dir", str(out / "img")],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=170)

@@ -41,18 +41,24 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env=e, timeout=60, cwd=ROOT)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["plan", "bogus"], "source 'bogus': expected KIND:PATH"),
-    (["plan", "file:/nonexistent.json"], "cannot read topology file"),
-    (["show", f"nvidia-smi:{FIX / 'topology.conf'}"], "no header row starting with 'GPU0'"),
-    (["plan", "--group-by", "rack", f"file:{SUPERPOD}"], "argument --group-by: invalid choice: 'rack'"),
-    (["plan", "--min-tier-ratio", "0.5", f"file:{SUPERPOD}"], "--min-tier-ratio 0.5; expected a number in [1, 1000000]"),
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
-    ([], "the following arguments are required: COMMAND"),
-    (["hostfile", "--slots", "0", f"file:{SUPERPOD}"], "--slots 0; expected an integer in [1, 4096]"),
-    (["show", "--plot", "/tmp/x.svg", f"file:{SUPERPOD}"], "expected a file name ending in .png"),
-    (["doctor", "--sysfs-root", "/nonexistent-dir"], "--sysfs-root '/nonexistent-dir': not a directory"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["plan", "bogus"], "source 'bogus': expected KIND:PATH"),
+        (["plan", "file:/nonexistent.json"], "cannot read topology file"),
+        (["show", f"nvidia-smi:{FIX / 'topology.conf'}"], "no header row starting with 'GPU0'"),
+        (["plan", "--group-by", "rack", f"file:{SUPERPOD}"], "argument --group-by: invalid choice: 'rack'"),
+        (
+            ["plan", "--min-tier-ratio", "0.5", f"file:{SUPERPOD}"],
+            "--min-tier-ratio 0.5; expected a number in [1, 1000000]",
+        ),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        ([], "the following arguments are required: COMMAND"),
+        (["hostfile", "--slots", "0", f"file:{SUPERPOD}"], "--slots 0; expected an integer in [1, 4096]"),
+        (["show", "--plot", "/tmp/x.svg", f"file:{SUPERPOD}"], "expected a file name ending in .png"),
+        (["doctor", "--sysfs-root", "/nonexistent-dir"], "--sysfs-root '/nonexistent-dir': not a directory"),
+    ],
+)
 def test_bad_input_exit_2_one_line_no_traceback(args, needle):
     r = run_cli(*args)
     assert r.returncode == 2, r.stderr
@@ -79,7 +85,7 @@ def test_optional_subcommands_not_built(monkeypatch, capsys):
     real = importlib.import_module
 
     def fake(name, *a, **k):
-        if name.startswith(("topo_integrations.sim", "topo_integrations.emulate")):
+        if name.startswith(("topo_integrations.sim", "topo_integrations.emulate", "topo_integrations.bench")):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return real(name, *a, **k)
 
@@ -90,7 +96,9 @@ def test_optional_subcommands_not_built(monkeypatch, capsys):
 
 
 def test_plan_table_and_sources_in_process(capsys):
-    assert main(["plan", f"slurm:{FIX / 'topology.conf'},dgx[001-040]", f"nccl-xml:{FIX / 'nccl-topo-dgx-a100.xml'}"]) == 0
+    assert (
+        main(["plan", f"slurm:{FIX / 'topology.conf'},dgx[001-040]", f"nccl-xml:{FIX / 'nccl-topo-dgx-a100.xml'}"]) == 0
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert "hierarchical -- 40 islands of 8 ranks" in out and "intra_groups" in out
 
@@ -112,7 +120,9 @@ def test_plan_json_for_fixtures(capsys, sources, opts, islands, size):
 
 def test_show_json_and_plot(tmp_path, capsys):
     png = tmp_path / "t.png"
-    assert main(["show", f"file:{ROOT / 'configs/topologies/bridged-pairs-8x4.json'}", "--json", "--plot", str(png)]) == 0
+    assert (
+        main(["show", f"file:{ROOT / 'configs/topologies/bridged-pairs-8x4.json'}", "--json", "--plot", str(png)]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["topology"]["islands"] == 16 and out["topology"]["island_sizes"] == [2]
     assert out["leaves"] == [{"hosts": "ws[01-08]", "leaf": "leaf0", "n_hosts": 8, "pod": "pod0", "ranks": 32}]

@@ -1,4 +1,5 @@
-"""TopoAlignConfig: defaults equal DESIGN.md 5.1, every rejection names field, value and what is accepted."""
+"""TopoAlignConfig: defaults equal the README's config reference; every rejection names field, value and
+what is accepted."""
 
 from __future__ import annotations
 
@@ -31,16 +32,27 @@ def test_design_block_is_accepted_and_equals_defaults():
     assert cfg.local.reconcile_interval == 4 and cfg.sync.top_fraction == 0.15
 
 
-@pytest.mark.parametrize("block,message", [
-    ({"mode": "fast"}, "topo_align.mode: got 'fast'; Input should be 'flat', 'hierarchical' or 'selective'"),
-    ({"sync": {"top_fraction": 1.5}}, "topo_align.sync.top_fraction: got 1.5; Input should be less than or equal to 1"),
-    ({"local": {"reconcile_interval": 0}},
-     "topo_align.local.reconcile_interval: got 0; Input should be greater than or equal to 1"),
-    ({"sync": {"dtype": "int8"}}, "topo_align.sync.dtype: got 'int8'; Input should be 'fp32', 'bf16' or 'fp16'"),
-    ({"local": {"reconcile_interval": "5"}}, "topo_align.local.reconcile_interval: got '5'; Input should be a valid integer"),
-    ({"bogus": 1}, "topo_align.bogus: unknown key (value 1); see `topo-align schema` for the accepted keys"),
-    ([], 'topo_align: expected a JSON object (the "topo_align" block), got list'),
-])
+@pytest.mark.parametrize(
+    "block,message",
+    [
+        ({"mode": "fast"}, "topo_align.mode: got 'fast'; Input should be 'flat', 'hierarchical' or 'selective'"),
+        (
+            {"sync": {"top_fraction": 1.5}},
+            "topo_align.sync.top_fraction: got 1.5; Input should be less than or equal to 1",
+        ),
+        (
+            {"local": {"reconcile_interval": 0}},
+            "topo_align.local.reconcile_interval: got 0; Input should be greater than or equal to 1",
+        ),
+        ({"sync": {"dtype": "int8"}}, "topo_align.sync.dtype: got 'int8'; Input should be 'fp32', 'bf16' or 'fp16'"),
+        (
+            {"local": {"reconcile_interval": "5"}},
+            "topo_align.local.reconcile_interval: got '5'; Input should be a valid integer",
+        ),
+        ({"bogus": 1}, "topo_align.bogus: unknown key (value 1); see `topo-align schema` for the accepted keys"),
+        ([], 'topo_align: expected a JSON object (the "topo_align" block), got list'),
+    ],
+)
 def test_exact_messages(block, message):
     with pytest.raises(ConfigError) as err:
         TopoAlignConfig.from_block(block)

@@ -18,7 +18,8 @@ import deepspeed  # noqa: E402
 
 import topo_integrations.deepspeed as tds  # noqa: E402
 from topo_integrations.config import ConfigError, TopoAlignConfig  # noqa: E402
-from topo_integrations.deepspeed import compat, harness as H  # noqa: E402
+from topo_integrations.deepspeed import compat  # noqa: E402
+from topo_integrations.deepspeed import harness as H  # noqa: E402
 from topo_integrations.deepspeed.block import from_deepspeed_config  # noqa: E402
 from topo_integrations.deepspeed.support import KEY_REFUSALS, UnsupportedConfigError, check_supported  # noqa: E402
 from topo_integrations.reducer.classes import SYNC, classify, layer_indices  # noqa: E402

@@ -88,8 +88,14 @@ def test_layout_maps_tiers_to_links():
     two = plan_layout(load_topology_file(TOPO_2LEAF), "ta1-1")
     assert [n.address for n in two.nodes] == ["10.213.0.1", "10.213.0.2", "10.213.1.1", "10.213.1.2"]
     # spine 0.025 GB/s x 2 ranks under the leaf / 2.0 oversubscription = 200 Mbit/s; (1000-500)/2 us per end
-    assert [(s.leaf, s.shape) for s in two.spines] == [("leaf0", LinkShape(200.0, 0.25)), ("leaf1", LinkShape(200.0, 0.25))]
-    assert [n.uplink.rate_mbit for n in plan_layout(load_topology_file(TOPO_2X2), "ta1-2", uplink_mbit=200).nodes] == [200, 200]
+    assert [(s.leaf, s.shape) for s in two.spines] == [
+        ("leaf0", LinkShape(200.0, 0.25)),
+        ("leaf1", LinkShape(200.0, 0.25)),
+    ]
+    assert [n.uplink.rate_mbit for n in plan_layout(load_topology_file(TOPO_2X2), "ta1-2", uplink_mbit=200).nodes] == [
+        200,
+        200,
+    ]
 
 
 def test_rank_environment():
@@ -112,12 +118,18 @@ def test_bad_values_are_named():
         plan_layout(load_topology_file(TOPO_2X2), "ta1-0", mtu=100)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--topology", "/nonexistent.json", "--", "true"], "cannot read topology file"),
-    (["--topology", str(TOPO_2X2)], "no command given; put it after `--`"),
-    (["--topology", str(TOPO_2X2), "--timeout", "-3", "--", "true"], "--timeout = -3.0; expected a number of seconds > 0"),
-    (["--", "true"], "--topology FILE is required"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "/nonexistent.json", "--", "true"], "cannot read topology file"),
+        (["--topology", str(TOPO_2X2)], "no command given; put it after `--`"),
+        (
+            ["--topology", str(TOPO_2X2), "--timeout", "-3", "--", "true"],
+            "--timeout = -3.0; expected a number of seconds > 0",
+        ),
+        (["--", "true"], "--topology FILE is required"),
+    ],
+)
 def test_cli_bad_input_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(emulate_cli, "unavailable_reason", lambda: None)  # reach the input checks as non-root too
     assert emulate_cli.main(argv) == 2
@@ -250,13 +262,24 @@ def cluster():
     assert not cl.is_open
 
 
-def _best_rate(cl: EmulatedCluster, src: str, dst: str, nbytes: int, floor: float) -> dict:
-    """A transfer, repeated once if it ran below ``floor`` Mbit/s: the shaper caps the rate, while
-    CPU contention from other jobs on a shared 2-core machine can only lower it."""
-    first = cl.measure(src, dst, nbytes=nbytes, pings=5)
-    if first["mbit_per_s"] >= floor:
-        return first
-    return max(first, cl.measure(src, dst, nbytes=nbytes, pings=5), key=lambda r: r["mbit_per_s"])
+def _kernel_rate_mbit(ns: str, dev: str) -> float:
+    """The HTB rate the kernel enforces on ``dev`` in namespace ``ns`` (``tc class show``), Mbit/s.
+
+    Measured throughput is capped by the shaper but lowered by CPU contention from other jobs on a
+    shared machine, so the tests assert only its upper bound, and check the configured rate here."""
+    import re
+
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "class", "show", "dev", dev], capture_output=True,
+                         text=True, timeout=20, check=True).stdout
+    m = re.search(r"\brate (\d+(?:\.\d+)?)([KMG]?)bit", out)
+    assert m, out
+    return float(m.group(1)) * {"K": 1e-3, "": 1e-6, "M": 1.0, "G": 1e3}[m.group(2)]
+
+
+def _uplink_rates(cl: EmulatedCluster, host: str) -> tuple[float, float]:
+    """(node side, switch side) kernel rates of ``host``'s uplink."""
+    n = cl.layout.node(host)
+    return _kernel_rate_mbit(n.ns, "eth0"), _kernel_rate_mbit(cl.layout.switch_ns, n.switch_port)
 
 
 @needs_netns
@@ -264,14 +287,15 @@ def _best_rate(cl: EmulatedCluster, src: str, dst: str, nbytes: int, floor: floa
 @pytest.mark.timeout(60)
 def test_shaped_bandwidth_and_counters(cluster):
     assert cluster.link_shape("node0") == LinkShape(200.0, 0.25)
+    assert _uplink_rates(cluster, "node0") == (200.0, 200.0)
     before = cluster.counters()
     nbytes = 4_000_000
     res = cluster.measure("node0", "node1", nbytes=nbytes)
     delta = cluster.counters().minus(before)
-    if res["mbit_per_s"] < 0.6 * 200:
-        res = _best_rate(cluster, "node0", "node1", nbytes, 0.6 * 200)
-    # 200 Mbit/s = 25 MB/s: 4 MB takes ~160 ms; generous bounds for a loaded 2-core machine
-    assert 0.6 * 200 <= res["mbit_per_s"] <= 1.2 * 200, res
+    # 200 Mbit/s = 25 MB/s: 4 MB takes ~160 ms. The shaper caps the rate (an unshaped veth runs at
+    # GB/s); how far below the cap a transfer runs depends on the machine's load, so only the cap is
+    # asserted.
+    assert 0 < res["mbit_per_s"] <= 1.2 * 200, res
     up0 = delta.link("node0")
     assert nbytes <= up0.tx_bytes <= 1.03 * nbytes + 20_000, up0  # payload + headers at MTU 9000
     assert abs(delta.link("node1").rx_bytes - up0.tx_bytes) <= 2_000
@@ -285,8 +309,9 @@ def test_set_link_and_link_down_up(cluster):
     try:
         cluster.set_link("node1", rate_mbit=40)
         assert cluster.link_shape("node1").rate_mbit == 40
-        slow = _best_rate(cluster, "node0", "node1", 1_500_000, 0.6 * 40)
-        assert 0.6 * 40 <= slow["mbit_per_s"] <= 1.25 * 40, slow
+        assert _uplink_rates(cluster, "node1") == (40.0, 40.0)
+        slow = cluster.measure("node0", "node1", nbytes=1_500_000, pings=5)
+        assert 0 < slow["mbit_per_s"] <= 1.25 * 40, slow
         # the other direction is shaped too (the switch port's egress)
         back = cluster.measure("node1", "node0", nbytes=1_500_000)
         assert back["mbit_per_s"] <= 1.25 * 40, back
@@ -298,8 +323,9 @@ def test_set_link_and_link_down_up(cluster):
             cluster.measure("node0", "node1", nbytes=100_000, pings=1, probe_timeout=1.5, timeout=20)
     finally:
         cluster.link_up("node1")
-    ok = _best_rate(cluster, "node0", "node1", 4_000_000, 0.6 * 200)
-    assert ok["mbit_per_s"] >= 0.6 * 200, ok  # back to full speed (vs 40 Mbit/s while slowed)
+    assert _uplink_rates(cluster, "node1") == (200.0, 200.0)  # back to full speed
+    ok = cluster.measure("node0", "node1", nbytes=1_000_000, pings=2)  # and the cable carries data again
+    assert 0 < ok["mbit_per_s"] <= 1.2 * 200, ok
 
 
 @needs_netns
@@ -309,8 +335,11 @@ def test_set_link_delay(cluster):
     base = cluster.measure("node0", "node1", nbytes=10_000, pings=10)["rtt_ms"]
     if netem_available() is False:
         # This kernel lacks netem: the request is refused by name and nothing changes.
-        with pytest.raises(DelayUnsupported, match=r"cannot set delay_ms=5 on eth0 in ta\d+-\d+-n1: this kernel "
-                                                    r"has no netem qdisc \(CONFIG_NET_SCH_NETEM\); rate shaping still works"):
+        with pytest.raises(
+            DelayUnsupported,
+            match=r"cannot set delay_ms=5 on eth0 in ta\d+-\d+-n1: this kernel "
+            r"has no netem qdisc \(CONFIG_NET_SCH_NETEM\); rate shaping still works",
+        ):
             cluster.set_link("node1", delay_ms=5)
         assert cluster.link_shape("node1") == LinkShape(200.0, 0.25)
         return
@@ -337,8 +366,11 @@ def test_spine_link_carries_cross_leaf_traffic_and_can_be_slowed():
         prefix = cl.layout.prefix
         cl.set_spine("leaf1", rate_mbit=50)  # a degraded leaf uplink
         assert cl.link_shape("leaf1:spine") == LinkShape(50, 0.25)
-        slow = _best_rate(cl, "node3", "node1", 1_000_000, 0.6 * 50)
-    assert 0.6 * 50 <= slow["mbit_per_s"] <= 1.25 * 50, slow
+        sp = next(s for s in cl.layout.spines if s.leaf == "leaf1")
+        assert (_kernel_rate_mbit(cl.layout.switch_ns, sp.leaf_port),
+                _kernel_rate_mbit(cl.layout.switch_ns, sp.spine_port)) == (50.0, 50.0)
+        slow = cl.measure("node3", "node1", nbytes=1_000_000, pings=5)
+    assert 0 < slow["mbit_per_s"] <= 1.25 * 50, slow
     assert mid.minus(b).cross_leaf_bytes < 10_000
     across = end.minus(mid)
     assert 1_000_000 <= across.link("leaf0:spine").tx_bytes <= 1_050_000

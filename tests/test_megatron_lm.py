@@ -19,7 +19,9 @@ import textwrap
 import pytest
 
 MLM = os.environ.get("TOPO_ALIGN_MEGATRON_LM")
-PATCH = os.path.join(os.path.dirname(__file__), "..", "patches", "megatron-lm", "0001-ddp-impl-and-extra-args-chain.patch")
+PATCH = os.path.join(
+    os.path.dirname(__file__), "..", "patches", "megatron-lm", "0001-ddp-impl-and-extra-args-chain.patch"
+)
 
 pytestmark = pytest.mark.skipif(not MLM or not os.path.isdir(os.path.join(MLM or "", "megatron", "training")),
                                 reason="set TOPO_ALIGN_MEGATRON_LM to a Megatron-LM checkout (tag core_v0.16.1)")
@@ -104,8 +106,9 @@ def test_install_swaps_ddp_only_with_the_flag_and_uninstall_restores():
         real_get_model = training.get_model
         seen = []
         def probe(*a, **k):  # stands in for get_model's body: records what `DP = DDP` would pick
+            fields = __import__('dataclasses').fields(training.DistributedDataParallelConfig)
             seen.append((training.DDP.__name__, training.DistributedDataParallelConfig.__name__,
-                         [f.name for f in __import__('dataclasses').fields(training.DistributedDataParallelConfig)][-1]))
+                         [f.name for f in fields][-1]))
         training.get_model = probe     # install() wraps whatever get_model is
         install()
         for argv in (['x', '--topo-align'], ['x']):

@@ -51,7 +51,7 @@ def test_every_flag_maps_to_its_field(cfg_file):
     assert cfg.local.reconcile_interval == 8 and cfg.local.async_reconcile is False
     assert cfg.communication.inter_dtype == "bf16" and cfg.local.dtype == "fp32"
     assert cfg.importance.method == "magnitude"
-    # every flag of DESIGN.md 5.3 exists
+    # every flag of docs/megatron.md exists
     dests = {a.dest for a in _parser()._actions}
     assert {"topo_align", "topo_align_config", "topo_align_topology", *FLAG_FIELDS} <= dests
 

@@ -101,9 +101,9 @@ def test_16384_ranks_under_2s_and_200mb():
     topo = topology_from_dict(doc)
     assert topo.world_size == 16384
     tracemalloc.start()
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: other jobs on a shared machine do not count against it
     plan = plan_groups(topo, middle_level=True)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert shape(plan.intra_groups) == (2048, [8]) and shape(plan.inter_groups) == (8, [2048])

@@ -14,9 +14,17 @@ import numpy as np
 import pytest
 
 from topo_integrations.train import common
-from topo_integrations.train.data import (STDLIB_LICENSE, ByteTokenizer, DataError, GlobalBatches,
-                                         build_gpt_datasets, build_indexed_dataset, collect_stdlib_corpus,
-                                         collect_text_corpus, prepare_dataset)
+from topo_integrations.train.data import (
+    STDLIB_LICENSE,
+    ByteTokenizer,
+    DataError,
+    GlobalBatches,
+    build_gpt_datasets,
+    build_indexed_dataset,
+    collect_stdlib_corpus,
+    collect_text_corpus,
+    prepare_dataset,
+)
 from topo_integrations.train.metrics import TrainLogger, tier_bytes
 from topo_integrations.train.model import GPT, PRESETS, PresetError, preset
 

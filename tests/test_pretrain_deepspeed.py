@@ -55,7 +55,10 @@ def test_resume_continues_from_the_last_checkpoint_exactly(world):
     res = ok(results, "resumed")
     ref = ok(results, "selective")
     assert res["start_step"] == 4 and res["steps"] == 6
-    got, want = csv_losses(os.path.join(runs, "res", "metrics.csv")), csv_losses(os.path.join(runs, "selective", "metrics.csv"))
+    got, want = (
+        csv_losses(os.path.join(runs, "res", "metrics.csv")),
+        csv_losses(os.path.join(runs, "selective", "metrics.csv")),
+    )
     assert sorted(got) == [1, 2, 3, 4, 5, 6]  # step 5 of the killed run was replaced, nothing lost
     assert got == want  # the resumed run continues exactly as the uninterrupted one
     assert res["final_val_loss"] == ref["final_val_loss"]

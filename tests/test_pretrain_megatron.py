@@ -50,7 +50,10 @@ def test_resume_continues_from_the_last_checkpoint_exactly(world):
     assert ok(results, "killed") == {"stopped_at": 5}
     res, ref = ok(results, "resumed"), ok(results, "selective")
     assert res["start_step"] == 4 and res["steps"] == 6
-    got, want = csv_losses(os.path.join(runs, "res", "metrics.csv")), csv_losses(os.path.join(runs, "selective", "metrics.csv"))
+    got, want = (
+        csv_losses(os.path.join(runs, "res", "metrics.csv")),
+        csv_losses(os.path.join(runs, "selective", "metrics.csv")),
+    )
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     assert got == want
     assert (res["first_val_loss"], res["final_val_loss"]) == (ref["first_val_loss"], ref["final_val_loss"])

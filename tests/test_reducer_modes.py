@@ -424,8 +424,12 @@ def s_fallback(rank, world):
     dist.all_reduce(ref)
     ref /= world
     y = hierarchical_all_reduce(x.clone(), g)
-    one_tier = {"inter": g.inter, "sizes": (g.intra_size, g.inter_size),
-                "rel": float((y - ref).norm() / ref.norm()), "rec_noop": torch.equal(reconcile_average(x.clone(), g), x)}
+    one_tier = {
+        "inter": g.inter,
+        "sizes": (g.intra_size, g.inter_size),
+        "rel": float((y - ref).norm() / ref.norm()),
+        "rec_noop": torch.equal(reconcile_average(x.clone(), g), x),
+    }
     return {"mode": red.mode, "logs": [m for m in records if "falls back" in m], "error": err,
             "dp_bytes": st["total"]["bytes"]["dp"]["sync"], "one_tier": one_tier}
 

@@ -128,8 +128,13 @@ def test_wire_dtypes():
 
 
 def test_buckets_reverse_order_size_and_padding():
-    ps = [("a", torch.zeros(5)), ("b", torch.zeros(7)), ("c", torch.zeros(100)), ("d", torch.zeros(3, dtype=torch.float16)),
-          ("e", torch.zeros(2, dtype=torch.float64))]
+    ps = [
+        ("a", torch.zeros(5)),
+        ("b", torch.zeros(7)),
+        ("c", torch.zeros(100)),
+        ("d", torch.zeros(3, dtype=torch.float16)),
+        ("e", torch.zeros(2, dtype=torch.float64)),
+    ]
     classes = {"a": SYNC, "b": SYNC, "c": SYNC, "d": SYNC, "e": LOCAL}
     bk = build_buckets(ps, classes, bucket_numel=12, pad_to=4, class_order=(SYNC, LOCAL))
     assert [b.names for b in bk[SYNC]] == [["d"], ["c"], ["b", "a"]]  # reverse order; c alone (too big)

@@ -79,7 +79,8 @@ def test_policy_keeps_flat_only_when_faster():
 
 
 def test_check_probe_names_the_slow_group():
-    from topo_integrations.reducer.health import ProbeResult, check_probe
+    from topo_integrations.diagnostics import check_probe
+    from topo_integrations.reducer.health import ProbeResult
     from topo_integrations.topology import plan_groups
     from topo_integrations.topology.file_source import load_topology_file
 
@@ -108,8 +109,9 @@ def _world(rank, world_size):
     import torch.nn as nn
 
     from topo_integrations import GroupedReducer, TopoAlignConfig
+    from topo_integrations.diagnostics import start_of_run_check
     from topo_integrations.reducer import CollectiveError
-    from topo_integrations.reducer.health import probe_groups, start_of_run_check
+    from topo_integrations.reducer.health import probe_groups
 
     os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # 2 nodes x 2 ranks
     logging.getLogger("topo_align").setLevel(logging.ERROR)
@@ -174,6 +176,7 @@ def _world(rank, world_size):
             res["ckpt"] = _checkpoint_roundtrip(red, model, cfg)
     res["runs"] = out
     res["classes"] = red.classify()
+    res["scripted"] = _scripted_slow_link(rank, world_size)
     # health: probes of every group, gathered; the start-of-run check
     pr = probe_groups(red.groups, nbytes=64 * 1024, iters=2)
     res["probe_rows"] = pr.rows
@@ -200,6 +203,74 @@ def _world(rank, world_size):
         except CollectiveError as exc:
             res["probe_error"] = str(exc)
     return res
+
+
+# The slow-link scenario of docs/reliability.md, with the link's measurements injected instead of
+# timed: (inter tier GB/s, rail probe GB/s, seconds per step) seen at each check, one check per step.
+# Calibration 0.002 GB/s; the link 5.7x slower from step 3; flat tried (slower: rejected); the link
+# recovered from step 10. Every rank injects the same numbers, so the outcome is exactly determined.
+SCRIPT = {1: (0.002, 0.002, 0.2), 2: (0.002, 0.002, 0.2),
+          3: (0.00035, None, 1.76), 4: (0.00035, None, 1.76),      # degraded twice -> fp16
+          5: (0.00035, None, 0.86), 6: (0.00035, None, 0.86),      # still degraded -> try flat
+          7: (None, 0.0003, 2.6),                                  # flat slower than fp16 -> back
+          8: (0.00035, None, 0.86), 9: (0.00035, None, 0.86),      # degraded, flat rejected: stay
+          10: (0.0031, None, 0.18), 11: (0.0031, None, 0.18),      # recovered twice -> normal
+          12: (0.002, None, 0.2)}
+SCRIPTED_EVENTS = [(4, "normal", "fp16"), (6, "fp16", "flat"), (7, "flat", "fp16"), (11, "fp16", "normal")]
+
+
+def _scripted_slow_link(rank, world_size):
+    """The real AdaptiveController and reducer on 4 gloo ranks (hierarchical, check every step,
+    window 2, slowdown 3), its policy fed the measurements of SCRIPT: the same decisions on every run
+    and any machine load. Returns, per step: level, mode, inter/dp bytes, max gradient error."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from topo_integrations import GroupedReducer, TopoAlignConfig
+    from topo_integrations.reducer.adaptive import Measurement
+
+    cfg = TopoAlignConfig.model_validate({
+        "mode": "hierarchical", "fallback": {"timeout_s": 8.0}, "communication": {"bucket_size_mb": 0.05},
+        "adaptive": {"enabled": True, "check_interval": 1, "window": 2, "slowdown_factor": 3.0}})
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    red = GroupedReducer(model, cfg)
+    ctrl = red.adaptive
+    decide = ctrl.policy.decide
+    seen = []
+
+    def injected(measured):  # the controller's own measurement is replaced by the script's
+        inter, probe, step_s = SCRIPT[red.step]
+        seen.append(red.step)
+        return decide(Measurement(inter_gbps=inter, probe_gbps=probe, step_s=step_s, steps=1))
+
+    ctrl.policy.decide = injected
+    steps = []
+    for i in range(1, len(SCRIPT) + 1):
+        g = torch.Generator().manual_seed(10 * i + rank)
+        loss = (model(torch.randn(8, 16, generator=g)) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        local = [p.grad.detach().clone() for p in model.parameters()]
+        mode, level = red.mode, ctrl.level  # what this step's reduction ran at
+        red.finish_grad_sync()
+        err = 0.0
+        for p, t in zip(model.parameters(), local):
+            dist.all_reduce(t)
+            t.div_(world_size)
+            err = max(err, float((p.grad - t).norm() / t.norm().clamp_min(1e-30)))
+        opt.step()
+        red.after_optimizer_step(opt)
+        red.verify_consistency()
+        b = red.stats()["step"]["bytes"]  # this step's window: gradient traffic of the two classes
+        steps.append({"step": i, "level": level, "mode": mode, "err": err,
+                      "inter": b["inter"]["sync"] + b["inter"]["local"], "dp": b["dp"]["sync"] + b["dp"]["local"]})
+    out = {"steps": steps, "checked": seen, "levels": list(ctrl.policy.available),
+           "events": [(e["step"], e["from"], e["to"], e["reason"]) for e in ctrl.events]}
+    red.close()
+    return out
 
 
 def _checkpoint_roundtrip(red, model, cfg):
@@ -305,6 +376,40 @@ def test_levels_switch_consistently_and_keep_invariants(world):
     # every rank agreed on every level (verify_consistency passed on every step on every rank)
     assert all([(x["level"], x["mode"], x["H"]) for x in w["runs"]] == [(x["level"], x["mode"], x["H"]) for x in runs]
                for w in world)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_controller_adapts_to_injected_slow_link_deterministically(world):
+    """The adaptation of the emulated slow-link run, with the link's measurements injected (SCRIPT):
+    the exact levels, steps and logged reasons; the wire really changes (inter bytes halve in fp16,
+    move to the data-parallel group in flat); gradients stay the global mean; all ranks agree."""
+    got = world[0]["scripted"]
+    assert got["levels"] == ["normal", "fp16", "flat"]
+    assert got["checked"] == list(SCRIPT)
+    assert [e[:3] for e in got["events"]] == SCRIPTED_EVENTS
+    reasons = [e[3] for e in got["events"]]
+    assert reasons[0] == ("inter tier degraded over 2 checks: inter tier 0.00035 GB/s vs reference 0.002 GB/s "
+                          "(5.71x slower), 1760.0 ms per step")
+    assert reasons[1].startswith("inter tier degraded over 2 checks: inter tier 0.00035 GB/s")
+    assert reasons[2] == "flat is not faster: 2600.0 ms per step in flat vs 860.0 ms at level 'fp16'; going back"
+    assert reasons[3].startswith("link recovered over 2 checks: inter tier 0.0031 GB/s vs reference 0.002 GB/s")
+    # the level each step ran at: an event at step s takes effect from step s + 1
+    want = ["normal"] * 4 + ["fp16"] * 2 + ["flat"] + ["fp16"] * 4 + ["normal"]
+    steps = got["steps"]
+    assert [s["level"] for s in steps] == want
+    assert [s["mode"] for s in steps] == ["flat" if lv == "flat" else "hierarchical" for lv in want]
+    fp32_inter = steps[0]["inter"]
+    for s in steps:
+        if s["level"] == "normal":
+            assert s["inter"] == fp32_inter and s["dp"] == 0 and s["err"] <= 1e-6, s
+        elif s["level"] == "fp16":  # half the bytes on the slow tier (+ a 4-byte scale per bucket)
+            assert s["inter"] < 0.6 * fp32_inter and s["dp"] == 0 and s["err"] <= 2e-2, s
+        else:  # flat: one all-reduce over the data-parallel group, nothing on the rails
+            assert s["inter"] == 0 and s["dp"] > 0 and s["err"] <= 1e-6, s
+    for w in world[1:]:
+        assert [e[:3] for e in w["scripted"]["events"]] == SCRIPTED_EVENTS
+        assert [s["level"] for s in w["scripted"]["steps"]] == want
 
 
 @pytest.mark.multirank

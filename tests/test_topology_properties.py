@@ -115,16 +115,33 @@ json_values = st.recursive(
     max_leaves=20,
 )
 leaf_docs = st.fixed_dictionaries(
-    {"leaves": st.lists(st.fixed_dictionaries({"hosts": st.sampled_from(["a[1-2]", "b[1-3]", "a1", "c[01-02]", "", 3])},
-                                              optional={"name": st.sampled_from(["l0", "l1", ""]),
-                                                        "pod": st.sampled_from(["p0", "p1"])}),
-                        max_size=3)},
-    optional={"gpus_per_node": st.integers(-1, 9), "island_size": st.none() | st.integers(0, 5),
-              "tiers": st.dictionaries(st.sampled_from(["island", "leaf", "spine", "host", "x"]),
-                                       st.dictionaries(st.sampled_from(["bandwidth_gbps", "latency_us", "oversubscription"]),
-                                                       st.floats(allow_nan=True) | st.integers(-5, 500)), max_size=3),
-              "islands": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["r0", "r1"]),
-                                                         "hosts": st.sampled_from(["a[1-2]", "b1", "zz"])}), max_size=2)},
+    {
+        "leaves": st.lists(
+            st.fixed_dictionaries(
+                {"hosts": st.sampled_from(["a[1-2]", "b[1-3]", "a1", "c[01-02]", "", 3])},
+                optional={"name": st.sampled_from(["l0", "l1", ""]), "pod": st.sampled_from(["p0", "p1"])},
+            ),
+            max_size=3,
+        )
+    },
+    optional={
+        "gpus_per_node": st.integers(-1, 9),
+        "island_size": st.none() | st.integers(0, 5),
+        "tiers": st.dictionaries(
+            st.sampled_from(["island", "leaf", "spine", "host", "x"]),
+            st.dictionaries(
+                st.sampled_from(["bandwidth_gbps", "latency_us", "oversubscription"]),
+                st.floats(allow_nan=True) | st.integers(-5, 500),
+            ),
+            max_size=3,
+        ),
+        "islands": st.lists(
+            st.fixed_dictionaries(
+                {"name": st.sampled_from(["r0", "r1"]), "hosts": st.sampled_from(["a[1-2]", "b1", "zz"])}
+            ),
+            max_size=2,
+        ),
+    },
 )
 
 
@@ -137,15 +154,26 @@ def test_topology_file_arbitrary(doc):
             _ok_or_topology_error(plan_groups, topo, group_by=gb, middle_level=True)
 
 
-config_docs = st.fixed_dictionaries({}, optional={
-    "mode": st.sampled_from(["flat", "hierarchical", "selective", "x", 1]),
-    "topology": st.dictionaries(st.sampled_from(["source", "file", "group_by", "min_tier_ratio", "zz"]),
-                                st.sampled_from(["auto", "slurm", "leaf", None, 0.5, 2.0, "x"]), max_size=4),
-    "sync": st.dictionaries(st.sampled_from(["last_n_layers", "top_fraction", "dtype", "always_sync", "layer_pattern"]),
-                            json_values, max_size=3),
-    "local": st.dictionaries(st.sampled_from(["dtype", "reconcile_interval", "async_reconcile"]), json_values, max_size=3),
-    "enabled": json_values,
-})
+config_docs = st.fixed_dictionaries(
+    {},
+    optional={
+        "mode": st.sampled_from(["flat", "hierarchical", "selective", "x", 1]),
+        "topology": st.dictionaries(
+            st.sampled_from(["source", "file", "group_by", "min_tier_ratio", "zz"]),
+            st.sampled_from(["auto", "slurm", "leaf", None, 0.5, 2.0, "x"]),
+            max_size=4,
+        ),
+        "sync": st.dictionaries(
+            st.sampled_from(["last_n_layers", "top_fraction", "dtype", "always_sync", "layer_pattern"]),
+            json_values,
+            max_size=3,
+        ),
+        "local": st.dictionaries(
+            st.sampled_from(["dtype", "reconcile_interval", "async_reconcile"]), json_values, max_size=3
+        ),
+        "enabled": json_values,
+    },
+)
 
 
 @FAST
@@ -176,7 +204,12 @@ def test_sysfs_arbitrary_files(rate, state):
     with tempfile.TemporaryDirectory() as root:
         p = os.path.join(root, "mlx5_0", "ports", "1")
         os.makedirs(p)
-        for name, value in (("rate", rate), ("state", state), ("phys_state", "5: LinkUp"), ("link_layer", "InfiniBand")):
+        for name, value in (
+            ("rate", rate),
+            ("state", state),
+            ("phys_state", "5: LinkUp"),
+            ("link_layer", "InfiniBand"),
+        ):
             with open(os.path.join(p, name), "w", encoding="utf-8", errors="surrogateescape") as fh:
                 fh.write(value)
         _ok_or_topology_error(read_ib_ports, root)
@@ -195,9 +228,25 @@ def test_hostnames_arbitrary(names, local_ranks):
 
 
 @FAST
-@given(st.lists(st.text(max_size=20) | st.sampled_from(["file:", "slurm:", "nvidia-smi:/nonexistent", "sysfs-ib:/x",
-                                                         "hostfile:/dev/null", "file:/dev/null",
-                                                         "file:a\x00b", "nccl-xml:a\x00", "slurm:/dev/null,x["]), max_size=3))
+@given(
+    st.lists(
+        st.text(max_size=20)
+        | st.sampled_from(
+            [
+                "file:",
+                "slurm:",
+                "nvidia-smi:/nonexistent",
+                "sysfs-ib:/x",
+                "hostfile:/dev/null",
+                "file:/dev/null",
+                "file:a\x00b",
+                "nccl-xml:a\x00",
+                "slurm:/dev/null,x[",
+            ]
+        ),
+        max_size=3,
+    )
+)
 def test_source_specs_arbitrary(specs):
     from topo_integrations.topology.sources import load_sources
 

@@ -143,27 +143,37 @@ def test_nccl_xml_dgx_a100():
 
 
 def test_nccl_xml_direct_gpu_links_form_pairs():
-    xml = """<?xml version="1.0"?>
+    gpu = ('<pci busid="0000:{a}:00.0" class="0x030200"><gpu dev="{d}" sm="86" rank="{d}">'
+           '<nvlink target="0000:{b}:00.0" count="4" tclass="0x030200"/></gpu></pci>')
+    pcis = "\n ".join(gpu.format(a=a, b=b, d=d) for d, (a, b) in enumerate([("01", "02"), ("02", "01"),
+                                                                             ("81", "82"), ("82", "81")]))
+    xml = f"""<?xml version="1.0"?>
 <system version="1"><cpu numaid="0">
- <pci busid="0000:01:00.0" class="0x030200"><gpu dev="0" sm="86" rank="0"><nvlink target="0000:02:00.0" count="4" tclass="0x030200"/></gpu></pci>
- <pci busid="0000:02:00.0" class="0x030200"><gpu dev="1" sm="86" rank="1"><nvlink target="0000:01:00.0" count="4" tclass="0x030200"/></gpu></pci>
- <pci busid="0000:81:00.0" class="0x030200"><gpu dev="2" sm="86" rank="2"><nvlink target="0000:82:00.0" count="4" tclass="0x030200"/></gpu></pci>
- <pci busid="0000:82:00.0" class="0x030200"><gpu dev="3" sm="86" rank="3"><nvlink target="0000:81:00.0" count="4" tclass="0x030200"/></gpu></pci>
+ {pcis}
 </cpu></system>"""
     node = parse_nccl_xml(xml)
     assert node.islands == ((0, 1), (2, 3)) and node.island_tier.bandwidth_gbps == 80.0
     assert node.net_tier_gbps is None
 
 
-@pytest.mark.parametrize("doc,needle", [
-    ('<?xml version="1.0"?><!DOCTYPE system [<!ENTITY a "aaaa">]><system>&a;</system>', "line 1: <!DOCTYPE is refused"),
-    ('<system>\n<!ENTITY x SYSTEM "file:///etc/passwd"></system>', "line 2: <!ENTITY is refused"),
-    ("<system><cpu>", "not well-formed XML"),
-    ("<topology/>", "root element <topology>; expected <system>"),
-    ("<system/>", "no <gpu> elements"),
-    ('<system><pci busid="1"><gpu dev="x"/></pci></system>', "<gpu> attribute dev='x'; expected an integer in [0, 4095]"),
-    ('<system><gpu dev="0"/></system>', "is not inside a <pci busid=...>"),
-])
+@pytest.mark.parametrize(
+    "doc,needle",
+    [
+        (
+            '<?xml version="1.0"?><!DOCTYPE system [<!ENTITY a "aaaa">]><system>&a;</system>',
+            "line 1: <!DOCTYPE is refused",
+        ),
+        ('<system>\n<!ENTITY x SYSTEM "file:///etc/passwd"></system>', "line 2: <!ENTITY is refused"),
+        ("<system><cpu>", "not well-formed XML"),
+        ("<topology/>", "root element <topology>; expected <system>"),
+        ("<system/>", "no <gpu> elements"),
+        (
+            '<system><pci busid="1"><gpu dev="x"/></pci></system>',
+            "<gpu> attribute dev='x'; expected an integer in [0, 4095]",
+        ),
+        ('<system><gpu dev="0"/></system>', "is not inside a <pci busid=...>"),
+    ],
+)
 def test_nccl_xml_refuses_bad_input(doc, needle):
     with pytest.raises(TopologyError) as err:
         parse_nccl_xml(doc, source="x.xml")
@@ -208,14 +218,23 @@ def test_slurm_three_level_tree_pods_and_block_plugin():
     assert blocks.leaf_of["n6"] == "b2" and blocks.pod_of_leaf["b2"] == "pod0"
 
 
-@pytest.mark.parametrize("conf,msg", [
-    ("SwitchName=s1 Nodes=a[1-2] Speed=3", "t.conf: line 1: 'Speed=3'; accepted: SwitchName=, Nodes=, Switches=, LinkSpeed="),
-    ("SwitchName=s1 Nodes=a1\nSwitchName=s2 Nodes=a1", "t.conf: line 2: node 'a1' is already under switch 's1'"),
-    ("SwitchName=s1 Nodes=a1\nSwitchName=top Switches=s[1-2]", "t.conf: line 2: Switches= names 's2', which no line defines"),
-    ("SwitchName=s1 Nodes=a[1-", "t.conf: line 1: Nodes=: hostlist 'a[1-': '[' without ']'"),
-    ("SwitchName=top Switches=x", "t.conf: no switch with Nodes="),
-    ("Nodes=a1", "t.conf: line 1: expected exactly one SwitchName= or BlockName= per line"),
-])
+@pytest.mark.parametrize(
+    "conf,msg",
+    [
+        (
+            "SwitchName=s1 Nodes=a[1-2] Speed=3",
+            "t.conf: line 1: 'Speed=3'; accepted: SwitchName=, Nodes=, Switches=, LinkSpeed=",
+        ),
+        ("SwitchName=s1 Nodes=a1\nSwitchName=s2 Nodes=a1", "t.conf: line 2: node 'a1' is already under switch 's1'"),
+        (
+            "SwitchName=s1 Nodes=a1\nSwitchName=top Switches=s[1-2]",
+            "t.conf: line 2: Switches= names 's2', which no line defines",
+        ),
+        ("SwitchName=s1 Nodes=a[1-", "t.conf: line 1: Nodes=: hostlist 'a[1-': '[' without ']'"),
+        ("SwitchName=top Switches=x", "t.conf: no switch with Nodes="),
+        ("Nodes=a1", "t.conf: line 1: expected exactly one SwitchName= or BlockName= per line"),
+    ],
+)
 def test_slurm_errors(conf, msg):
     with pytest.raises(TopologyError) as err:
         parse_topology_conf(conf, source="t.conf")
@@ -300,18 +319,29 @@ def test_hostnames_with_islands_and_local_ranks():
 
 # -- load_sources -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("specs,kw,msg", [
-    (["bogus:x"], {}, "source 'bogus:x': unknown KIND 'bogus'; accepted: file, nvidia-smi, nccl-xml, slurm, hostfile, sysfs-ib"),
-    (["nvidia-smi"], {}, "source 'nvidia-smi': expected KIND:PATH"),
-    (["file:"], {}, "source 'file:': empty PATH after file:"),
-    ([f"nvidia-smi:{A100_SMI}", f"nccl-xml:{A100_XML}"], {}, "combine at most one host source"),
-    ([f"file:{A100_SMI}", f"nvidia-smi:{A100_SMI}"], {}, "file: is a complete topology; combine it only with sysfs-ib"),
-    (["sysfs-ib:/nonexistent"], {}, "sysfs-ib gives only link rates"),
-    ([f"nvidia-smi:{A100_SMI}"], {"nodes": 0}, "nodes = 0; expected a count in [1, 1000000] or a hostlist"),
-    ([f"nvidia-smi:{A100_SMI}"], {"gpus_per_node": 4}, "gpus_per_node = 4 but nvidia-smi:"),
-    ([f"nvidia-smi:{FIX / 'missing.txt'}"], {}, "cannot read file"),
-    ([f"nvidia-smi:{A100_SMI}"], {"colour": 1}, "unknown source option 'colour'"),
-])
+@pytest.mark.parametrize(
+    "specs,kw,msg",
+    [
+        (
+            ["bogus:x"],
+            {},
+            "source 'bogus:x': unknown KIND 'bogus'; accepted: file, nvidia-smi, nccl-xml, slurm, hostfile, sysfs-ib",
+        ),
+        (["nvidia-smi"], {}, "source 'nvidia-smi': expected KIND:PATH"),
+        (["file:"], {}, "source 'file:': empty PATH after file:"),
+        ([f"nvidia-smi:{A100_SMI}", f"nccl-xml:{A100_XML}"], {}, "combine at most one host source"),
+        (
+            [f"file:{A100_SMI}", f"nvidia-smi:{A100_SMI}"],
+            {},
+            "file: is a complete topology; combine it only with sysfs-ib",
+        ),
+        (["sysfs-ib:/nonexistent"], {}, "sysfs-ib gives only link rates"),
+        ([f"nvidia-smi:{A100_SMI}"], {"nodes": 0}, "nodes = 0; expected a count in [1, 1000000] or a hostlist"),
+        ([f"nvidia-smi:{A100_SMI}"], {"gpus_per_node": 4}, "gpus_per_node = 4 but nvidia-smi:"),
+        ([f"nvidia-smi:{FIX / 'missing.txt'}"], {}, "cannot read file"),
+        ([f"nvidia-smi:{A100_SMI}"], {"colour": 1}, "unknown source option 'colour'"),
+    ],
+)
 def test_load_sources_errors(specs, kw, msg):
     with pytest.raises(TopologyError) as err:
         load_sources(specs, **kw)

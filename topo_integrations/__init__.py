@@ -1,6 +1,6 @@
 """topo-align: topology-aware gradient reduction for DeepSpeed and Megatron.
 
-The framework-free API (DESIGN.md 5.4)::
+The framework-free API (docs/reducer.md; the contracts: docs/design.md)::
 
     from topo_integrations import TopoAlignConfig, Topology, plan_groups, GroupedReducer
 """

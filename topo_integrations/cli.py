@@ -1,4 +1,4 @@
-"""The ``topo-align`` command (DESIGN.md 5.5).
+"""The ``topo-align`` command (docs/cli.md).
 
     topo-align show SOURCE... [--json] [--plot FILE.png]
     topo-align plan SOURCE... [--json] [--group-by island|leaf] [--min-tier-ratio R] [--middle-level]
@@ -27,7 +27,7 @@ CORE_COMMANDS = ("show", "plan", "hostfile", "schema", "doctor")
 OPTIONAL_COMMANDS = {
     "simulate": ("topo_integrations.sim.cli", "cost-model simulation of a topology (topo_integrations.sim)"),
     "emulate": ("topo_integrations.emulate.cli", "emulated multi-node cluster on one Linux host"),
-    "bench": ("topo_integrations.emulate.bench_cli", "benchmark the reducer on an emulated cluster"),
+    "bench": ("topo_integrations.bench.cli", "benchmark the reducer on an emulated cluster"),
 }
 
 
@@ -71,7 +71,9 @@ def build_parser(load_optional: Sequence[str] = ()) -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print a topology (table, --json, or --plot FILE.png)")
     _add_source_opts(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw hosts, islands and leaves, coloured by intra group")
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None, help="draw hosts, islands and leaves, coloured by intra group"
+    )
     _add_plan_opts(p)
 
     p = sub.add_parser("plan", help="plan intra/inter groups and the rank order")
@@ -89,8 +91,16 @@ def build_parser(load_optional: Sequence[str] = ()) -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check NCCL/UCX settings, IB ports and whether the tiers differ enough")
     _add_source_opts(p, required=False)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--sysfs-root", default=None, metavar="DIR", help="InfiniBand sysfs root (default /sys/class/infiniband)")
-    p.add_argument("--min-tier-ratio", type=float, default=1.3, metavar="R", help="tier ratio that counts as different (default 1.3)")
+    p.add_argument(
+        "--sysfs-root", default=None, metavar="DIR", help="InfiniBand sysfs root (default /sys/class/infiniband)"
+    )
+    p.add_argument(
+        "--min-tier-ratio",
+        type=float,
+        default=1.3,
+        metavar="R",
+        help="tier ratio that counts as different (default 1.3)",
+    )
     p.add_argument("--config", default=None, metavar="FILE",
                    help="validate a topo_align config (the block, or a DeepSpeed config holding it)")
     p.add_argument("--probe", action="store_true",
@@ -159,7 +169,10 @@ def _shape(groups) -> dict:
 
 def plan_shape(plan) -> dict:
     """Counts and sizes of each group kind, e.g. ``{"intra_groups": {"count": 120, "sizes": [8]}}``."""
-    return {k: _shape(getattr(plan, k)) for k in ("intra_groups", "inter_groups", "leaf_groups", "leaf_rails", "spine_rails")}
+    return {
+        k: _shape(getattr(plan, k))
+        for k in ("intra_groups", "inter_groups", "leaf_groups", "leaf_rails", "spine_rails")
+    }
 
 
 def _console():
@@ -170,7 +183,6 @@ def _console():
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from .topology.hostlist import compress_hostlist
-
     from .topology.planner import PlanError
 
     topo = _load(args)
@@ -237,8 +249,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         ex = ",".join(map(str, groups[0][:8])) + (",..." if groups and len(groups[0]) > 8 else "") if groups else ""
         t.add_row(k, str(v["count"]), "/".join(map(str, v["sizes"])), ex)
     con.print(t)
-    con.print(f"middle level: {'on' if plan.middle_level else 'off'}; tier ratio {plan.tier_ratio:.2f}x "
-              f"({plan.intra_tier} {plan.intra_bandwidth_gbps:g} GB/s vs {plan.inter_tier} {plan.inter_bandwidth_gbps:g} GB/s)")
+    con.print(
+        f"middle level: {'on' if plan.middle_level else 'off'}; tier ratio {plan.tier_ratio:.2f}x "
+        f"({plan.intra_tier} {plan.intra_bandwidth_gbps:g} GB/s vs "
+        f"{plan.inter_tier} {plan.inter_bandwidth_gbps:g} GB/s)"
+    )
     for note in plan.notes:
         con.print(f"note: {note}")
     return 0
@@ -285,9 +300,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
         cfg = TopoAlignConfig.from_file(args.config)
         findings.append(Finding("ok", "config", f"{args.config}: valid topo_align block (mode {cfg.mode!r})"))
-    if args.probe or args.probe_emulate:  # reducer/health.py: group-to-group latency and bandwidth
+    if args.probe or args.probe_emulate:  # diagnostics.py: group-to-group latency and bandwidth
+        from .diagnostics import check_gpu_links, run_probe_job
         from .doctor import Finding
-        from .reducer.health import check_gpu_links, run_probe_job
 
         findings += check_gpu_links()
         res = run_probe_job(nproc=args.probe_nproc, emulate_topology=args.probe_emulate)
@@ -309,7 +324,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-_COMMANDS = {"show": _cmd_show, "plan": _cmd_plan, "hostfile": _cmd_hostfile, "schema": _cmd_schema, "doctor": _cmd_doctor}
+_COMMANDS = {
+    "show": _cmd_show,
+    "plan": _cmd_plan,
+    "hostfile": _cmd_hostfile,
+    "schema": _cmd_schema,
+    "doctor": _cmd_doctor,
+}
 
 
 def _one_line(msg: str) -> str:

@@ -201,7 +201,7 @@ class MonitorConfig(_Section):
 
 
 class TopoAlignConfig(_Section):
-    """The whole ``"topo_align"`` block (DESIGN.md 5.1)."""
+    """The whole ``"topo_align"`` block (README.md, "Config reference")."""
 
     enabled: bool = True
     """Turn the plugin on; `false` leaves the framework's own reduction untouched."""
@@ -338,7 +338,9 @@ def load_json_file(path: str | os.PathLike[str], *, what: str) -> Any:
         with open(path, "rb") as fh:
             raw = fh.read(MAX_CONFIG_BYTES + 1)
         if len(raw) > MAX_CONFIG_BYTES:  # a device or pipe (e.g. /dev/zero) whose size stat() does not tell
-            raise ConfigError(f"{path}: {what} is more than {MAX_CONFIG_BYTES} bytes; at most {MAX_CONFIG_BYTES} are accepted")
+            raise ConfigError(
+                f"{path}: {what} is more than {MAX_CONFIG_BYTES} bytes; at most {MAX_CONFIG_BYTES} are accepted"
+            )
     except ConfigError:
         raise
     except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte

@@ -1,6 +1,7 @@
 """`topo-align doctor`: check NCCL/UCX/PyTorch settings, IB ports and whether the tiers differ enough.
 
-Facts come from research/topo.md Part 2.1 (NCCL 2.30 source, PyTorch docs). Every finding names the
+Facts come from the NCCL 2.30 source (src/misc/param.cc, src/graph/tuning.cc, src/transport/) and the
+NCCL and PyTorch environment-variable docs; docs/cli.md ("doctor") lists them. Every finding names the
 variable, its value, what is wrong and the valid alternative. Pure: the environment, the sysfs root
 and the topology are parameters.
 """
@@ -68,12 +69,17 @@ def check_env(env: Mapping[str, str], *, ib_active: bool) -> list[Finding]:
     if algo is not None:
         bad = _token_list(algo, NCCL_ALGOS)
         if bad or not algo.strip():
-            out.append(Finding(
-                "error", "NCCL_ALGO",
-                f"NCCL_ALGO={algo!r}: {', '.join(repr(b) for b in bad) or 'empty'} is not an NCCL algorithm "
-                f"(accepted: {', '.join(NCCL_ALGOS)}); NCCL >= 2.24 fails at init, older versions disable every algorithm",
-                "leave NCCL_ALGO unset (NCCL's tuner already uses the topology); for experiments e.g. "
-                "NCCL_ALGO='allreduce:ring,tree'"))
+            out.append(
+                Finding(
+                    "error",
+                    "NCCL_ALGO",
+                    f"NCCL_ALGO={algo!r}: {', '.join(repr(b) for b in bad) or 'empty'} is not an NCCL algorithm "
+                    f"(accepted: {', '.join(NCCL_ALGOS)}); NCCL >= 2.24 fails at init, "
+                    "older versions disable every algorithm",
+                    "leave NCCL_ALGO unset (NCCL's tuner already uses the topology); for experiments e.g. "
+                    "NCCL_ALGO='allreduce:ring,tree'",
+                )
+            )
         else:
             out.append(Finding("info", "NCCL_ALGO", f"NCCL_ALGO={algo!r} is valid but overrides NCCL's tuner",
                                "unset it unless you are benchmarking one algorithm"))
@@ -114,9 +120,14 @@ def check_env(env: Mapping[str, str], *, ib_active: bool) -> list[Finding]:
     if "NCCL_IB_TIMEOUT" in env:
         v = _int(env["NCCL_IB_TIMEOUT"])
         if v is None or not 1 <= v <= 31:
-            out.append(Finding("error", "NCCL_IB_TIMEOUT",
-                               f"NCCL_IB_TIMEOUT={env['NCCL_IB_TIMEOUT']!r}; it is an exponent (4.096 us x 2^N), accepted 1-31",
-                               "leave it unset (default 20, about 4.3 s per retry, in NCCL >= 2.23)"))
+            out.append(
+                Finding(
+                    "error",
+                    "NCCL_IB_TIMEOUT",
+                    f"NCCL_IB_TIMEOUT={env['NCCL_IB_TIMEOUT']!r}; it is an exponent (4.096 us x 2^N), accepted 1-31",
+                    "leave it unset (default 20, about 4.3 s per retry, in NCCL >= 2.23)",
+                )
+            )
     for k in ("NCCL_P2P_LEVEL", "NCCL_NET_GDR_LEVEL"):
         if k in env:
             v = env[k].strip()
@@ -126,12 +137,19 @@ def check_env(env: Mapping[str, str], *, ib_active: bool) -> list[Finding]:
     if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in env:
         v = _int(env["TORCH_NCCL_ASYNC_ERROR_HANDLING"])
         if v is None or not 0 <= v <= 3:
-            out.append(Finding("error", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                               f"TORCH_NCCL_ASYNC_ERROR_HANDLING={env['TORCH_NCCL_ASYNC_ERROR_HANDLING']!r}; accepted 0, 1, 2, 3",
-                               "leave it unset (default 3)"))
+            out.append(
+                Finding(
+                    "error",
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                    f"TORCH_NCCL_ASYNC_ERROR_HANDLING={env['TORCH_NCCL_ASYNC_ERROR_HANDLING']!r}; accepted 0, 1, 2, 3",
+                    "leave it unset (default 3)",
+                )
+            )
     ucx = sorted(k for k in env if k.startswith("UCX_"))
     if ucx:
-        plugin = env.get("NCCL_PLUGIN_P2P", "").strip().lower() == "ucx" or "ucx" in env.get("NCCL_NET_PLUGIN", "").lower()
+        plugin = (
+            env.get("NCCL_PLUGIN_P2P", "").strip().lower() == "ucx" or "ucx" in env.get("NCCL_NET_PLUGIN", "").lower()
+        )
         if not plugin:
             out.append(Finding(
                 "warn", ",".join(ucx),

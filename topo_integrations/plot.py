@@ -46,7 +46,9 @@ def plot_topology(topo: Topology, plan: Plan | None, path: str) -> None:
                                fill=False, linestyle="--", edgecolor="grey"))
         ax.text(-0.8, y0 - max_gpus / 2, lname, ha="right", va="center", fontsize=8)
         for hi, h in enumerate(hnames):
-            ax.add_patch(Rectangle((hi - 0.4, y0 - max_gpus - 0.2), 0.8, max_gpus + 0.4, fill=False, edgecolor="black", lw=0.5))
+            ax.add_patch(
+                Rectangle((hi - 0.4, y0 - max_gpus - 0.2), 0.8, max_gpus + 0.4, fill=False, edgecolor="black", lw=0.5)
+            )
             for r in hosts[h]:
                 p = topo.ranks[r]
                 xs.append(hi)

@@ -95,9 +95,11 @@ def main() -> None:
     w("topo--binary-junk.json", junk[::-1])
     w("topo--truncated.json", json.dumps(topo())[:40])
     # -- NCCL topology XML
-    laughs = ('<?xml version="1.0"?>\n<!DOCTYPE lolz [\n <!ENTITY lol "lol">\n'
-              + "".join(f' <!ENTITY lol{i} "{("&lol" + (str(i - 1) if i > 1 else "") + ";") * 10}">\n' for i in range(1, 10))
-              + ']>\n<system version="1"><cpu>&lol9;</cpu></system>\n')
+    laughs = (
+        '<?xml version="1.0"?>\n<!DOCTYPE lolz [\n <!ENTITY lol "lol">\n'
+        + "".join(f' <!ENTITY lol{i} "{("&lol" + (str(i - 1) if i > 1 else "") + ";") * 10}">\n' for i in range(1, 10))
+        + ']>\n<system version="1"><cpu>&lol9;</cpu></system>\n'
+    )
     w("nccl--billion-laughs.xml", laughs)
     w("nccl--external-entity.xml", '<?xml version="1.0"?>\n<!DOCTYPE system [<!ENTITY xxe SYSTEM "file:///etc/passwd">]>\n'
       '<system version="1">&xxe;</system>\n')

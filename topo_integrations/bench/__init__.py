@@ -12,6 +12,6 @@ Uses the emulator (topo_integrations.emulate) and the topology; frameworks are i
 the worker processes.
 """
 
-from .systems import SYSTEMS, DEFAULT_SYSTEMS, System
+from .systems import DEFAULT_SYSTEMS, SYSTEMS, System
 
 __all__ = ["SYSTEMS", "DEFAULT_SYSTEMS", "System"]

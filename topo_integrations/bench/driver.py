@@ -18,18 +18,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
-import warnings
-
 import numpy as np
-
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from ..topology.file_source import load_topology_file
 from ..topology.planner import plan_groups
@@ -127,7 +123,11 @@ class BenchSpec:
 
 def prepare_data(spec: BenchSpec, world: int, log: Callable[[str], None] = print) -> tuple[str, str, dict]:
     """The train/validation samples of this run as .npz (cached by shape); returns paths + manifest."""
-    from ..train.data import build_gpt_datasets, prepare_dataset
+    with warnings.catch_warnings():
+        # megatron-core's dataset code notes at import that it runs without Transformer Engine/Apex:
+        # expected here (CPU), and not the benchmark's concern.
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from ..train.data import build_gpt_datasets, prepare_dataset
 
     data_dir = spec.data_dir or os.path.join(spec.out_dir, "data")
     n_train = spec.steps * world * spec.micro_batch
@@ -234,12 +234,22 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
     train_npz, val_npz, manifest = prepare_data(spec, world, log)
 
     results: dict = {
-        "format": "topo-align/bench/v1", "command": command, "spec": asdict(spec) | {"systems": list(spec.systems)},
-        "preset": spec.preset, "preset_description": preset.description, "topology": topo.name,
-        "topology_file": os.path.relpath(spec.topology_file, REPO_ROOT), "group_by": group_by,
-        "layout": {"hosts": list(layout.hosts), "leaves": list(layout.leaves),
-                   "groups": [list(g) for g in layout.groups] if layout.groups else None},
-        "machine": machine_description(), "dataset": manifest, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "format": "topo-align/bench/v1",
+        "command": command,
+        "spec": asdict(spec) | {"systems": list(spec.systems)},
+        "preset": spec.preset,
+        "preset_description": preset.description,
+        "topology": topo.name,
+        "topology_file": os.path.relpath(spec.topology_file, REPO_ROOT),
+        "group_by": group_by,
+        "layout": {
+            "hosts": list(layout.hosts),
+            "leaves": list(layout.leaves),
+            "groups": [list(g) for g in layout.groups] if layout.groups else None,
+        },
+        "machine": machine_description(),
+        "dataset": manifest,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "systems": [],
     }
     uplink = spec.uplink_mbit if spec.uplink_mbit is not None else preset.uplink_mbit

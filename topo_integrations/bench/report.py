@@ -110,7 +110,9 @@ def _goals(results: dict, ok: dict) -> list[dict]:
         g = {"goal": f"{key}: shorter time to the target loss than post-local SGD + HierarchicalModelAverager"}
         pl = ok.get("post-local-sgd")
         if e is None or pl is None:
-            g.update(met=None, detail="not measured: " + ("selective" if e is None else "post-local-sgd") + " did not run")
+            g.update(
+                met=None, detail="not measured: " + ("selective" if e is None else "post-local-sgd") + " did not run"
+            )
         else:
             a, b = e["summary"]["time_to_target_s"], pl["summary"]["time_to_target_s"]
             if a is None:
@@ -118,8 +120,11 @@ def _goals(results: dict, ok: dict) -> list[dict]:
                                            + (f"; post-local SGD did in {b:.1f} s" if b is not None else
                                               "; neither did post-local SGD"))
             else:
-                g.update(met=bool(b is None or a < b),
-                         detail=f"{a:.1f} s vs " + (f"{b:.1f} s" if b is not None else "never (post-local SGD did not reach it)"))
+                g.update(
+                    met=bool(b is None or a < b),
+                    detail=f"{a:.1f} s vs "
+                    + (f"{b:.1f} s" if b is not None else "never (post-local SGD did not reach it)"),
+                )
         goals.append(g)
     for key in ("topo-hier", "ds-topo-hier"):
         e = ok.get(key)
@@ -141,7 +146,11 @@ def _row(e: dict) -> str:
     if e.get("status") != "ok":
         return f"| {e['label']} | {e.get('status', '?')} ({e.get('reason', '')}) | | | | | | | |"
     s, m, th = e["summary"], e.get("measured") or {}, e.get("theory") or {}
-    ttt = f"{s['time_to_target_s']:.1f} s (step {s['steps_to_target']})" if s.get("time_to_target_s") is not None else "not reached"
+    ttt = (
+        f"{s['time_to_target_s']:.1f} s (step {s['steps_to_target']})"
+        if s.get("time_to_target_s") is not None
+        else "not reached"
+    )
     rel = f"{s['speedup_vs_ref']:.2f}x" if "speedup_vs_ref" in s else "–"
     return (f"| {e['label']} | {s['step_median_s']:.3f} s ({s['step_p25_s']:.3f}–{s['step_p75_s']:.3f}; "
             f"{s['step_min_s']:.3f}–{s['step_max_s']:.3f}) | {rel} "
@@ -190,16 +199,24 @@ def markdown(results: dict, images: dict[str, str] | None = None) -> str:
         "",
         f"Topology `{results['topology_file']}` (group_by `{results['group_by']}`): "
         + ", ".join(f"{n['host']} ranks {n['ranks']} uplink {n['uplink_mbit']:g} Mbit/s" for n in em.get("nodes", []))
-        + ("; spine " + ", ".join(f"{s['leaf']} {s['rate_mbit']:g} Mbit/s" for s in em.get("spines", [])) if em.get("spines") else "")
-        + ". " + " ".join(em.get("notes", [])),
+        + (
+            "; spine " + ", ".join(f"{s['leaf']} {s['rate_mbit']:g} Mbit/s" for s in em.get("spines", []))
+            if em.get("spines")
+            else ""
+        )
+        + ". "
+        + " ".join(em.get("notes", [])),
         "",
         f"Workload: GPT {spec['layers']} layers x {spec['hidden']} hidden, {spec['heads']} heads, sequence "
-        f"{spec['seq_length']}, byte-level vocabulary; micro-batch {spec['micro_batch']} per rank, {spec['steps']} steps, "
-        f"AdamW lr {spec['lr']:g} (warm-up {spec['warmup_steps']}, cosine to {spec['min_lr_ratio']:g}x), clip {spec['clip']:g}, "
+        f"{spec['seq_length']}, byte-level vocabulary; micro-batch {spec['micro_batch']} per rank, "
+        f"{spec['steps']} steps, AdamW lr {spec['lr']:g} (warm-up {spec['warmup_steps']}, cosine to "
+        f"{spec['min_lr_ratio']:g}x), clip {spec['clip']:g}, "
         f"seed {spec['seed']}; selective: last {spec['sync_last_n_layers']} layer(s) + head SYNC, reconcile every "
         f"{spec['reconcile_interval']} steps; post-local SGD: averaging period {spec['reconcile_interval']}, warm-up "
         f"{spec['localsgd_warmup'] if spec['localsgd_warmup'] is not None else spec['warmup_steps']} global steps. "
-        f"Target loss {results['target_loss']:.4f} ({results.get('target_rule')})." if results.get("target_loss") else "",
+        f"Target loss {results['target_loss']:.4f} ({results.get('target_rule')})."
+        if results.get("target_loss")
+        else "",
         "",
         table(results),
         "",
@@ -257,8 +274,11 @@ def plot(results: dict, img_dir: str, stem: str) -> dict[str, str]:
     fig, ax = plt.subplots(figsize=(9, 4.8))
     labels = [e["label"] for e in ok]
     x = np.arange(len(ok))
-    tiers = [("cross_node_bytes_per_step", "cross-node (measured)"), ("cross_leaf_bytes_per_step", "cross-leaf (measured)"),
-             ("intra_node_bytes_per_step", "intra-node loopback (measured)")]
+    tiers = [
+        ("cross_node_bytes_per_step", "cross-node (measured)"),
+        ("cross_leaf_bytes_per_step", "cross-leaf (measured)"),
+        ("intra_node_bytes_per_step", "intra-node loopback (measured)"),
+    ]
     bw = 0.22
     for j, (k, name) in enumerate(tiers):
         vals = [(e.get("measured") or {}).get(k, 0) / 1e6 for e in ok]

@@ -3,7 +3,7 @@
 Started by the driver once per rank inside the emulated node's namespace (RANK, WORLD_SIZE,
 MASTER_ADDR... from the emulator's runner). Every system trains the same GPT from the same seed on
 the same pre-cut token samples with the same AdamW schedule and clipping; only the gradient /
-parameter exchange differs (systems.py).
+parameter exchange differs (systems.py; the systems themselves are in trainers.py).
 
 Phases (communication in brackets):
   1. start the process group [rendezvous], build the system (its own set-up traffic: parameter
@@ -19,7 +19,6 @@ Phases (communication in brackets):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -33,33 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-warnings.filterwarnings("ignore", category=FutureWarning)
-warnings.filterwarnings("ignore", category=UserWarning)
+from .trainers import build, lr_at_step
 
 __all__ = ["main"]
-
-
-# ---------------------------------------------------------------------------------------- helpers
-
-def _lr_at(step: int, spec: dict) -> float:
-    """Linear warm-up to ``lr``, cosine decay to ``lr * min_lr_ratio`` (train.common.lr_at)."""
-    from ..train.common import lr_at
-
-    return lr_at(step, argparse.Namespace(warmup_steps=spec["warmup_steps"], train_steps=spec["steps"],
-                                          lr=spec["lr"], min_lr_ratio=spec["min_lr_ratio"]))
-
-
-def _gpt(spec: dict):
-    from ..train.model import GPT, GPTConfig
-
-    torch.manual_seed(spec["seed"])
-    return GPT(GPTConfig(num_layers=spec["layers"], hidden=spec["hidden"], heads=spec["heads"],
-                         seq_length=spec["seq_length"]))
-
-
-def _adamw(params, spec: dict) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=spec["lr"], betas=(0.9, 0.95), weight_decay=spec["weight_decay"])
 
 
 def _mark(name: str, spec: dict, rank: int) -> None:
@@ -77,337 +52,6 @@ def _mark(name: str, spec: dict, rank: int) -> None:
                 raise RuntimeError(f"the bench driver did not answer mark {name!r} within 120 s")
             time.sleep(0.01)
     dist.barrier()
-
-
-# ---------------------------------------------------------------------------------------- systems
-
-class _Plain:
-    """A GPT and AdamW driven by a plain PyTorch loop; subclasses add the exchange."""
-
-    def __init__(self, spec: dict):
-        self.spec = spec
-        self.model = _gpt(spec)
-        self.params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.opt = _adamw(self.model.parameters(), spec)
-        self.net = self.model
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-
-    def _clip(self) -> None:
-        if self.spec["clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec["clip"])
-
-    def step(self, b: dict) -> float:
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.net(b["tokens"], b["labels"], b["loss_mask"])
-        loss.backward()
-        self._clip()
-        self.opt.step()
-        return float(loss.detach())
-
-    @torch.no_grad()
-    def eval_loss(self, b: dict) -> float:
-        self.model.eval()
-        out = float(self.model(b["tokens"], b["labels"], b["loss_mask"]))
-        self.model.train()
-        return out
-
-    def drain(self) -> None:
-        pass
-
-    def before_eval(self) -> None:
-        pass
-
-    def info(self) -> dict:
-        return {}
-
-
-class _DDP(_Plain):
-    def __init__(self, spec: dict, hook: str | None = None):
-        super().__init__(spec)
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.net = DistributedDataParallel(self.model)
-        if hook == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            self.net.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
-
-
-class _PostLocalSGD(_Plain):
-    """DDP with post_localSGD_hook (all-reduce inside the subgroup after ``localsgd_warmup`` global
-    steps) and PostLocalSGDOptimizer(AdamW, HierarchicalModelAverager({H: world}))."""
-
-    def __init__(self, spec: dict):
-        from collections import OrderedDict
-
-        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
-                                                                                   post_localSGD_hook)
-        from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
-        from torch.distributed.optim import PostLocalSGDOptimizer
-        from torch.nn.parallel import DistributedDataParallel
-
-        super().__init__(spec)
-        world = dist.get_world_size()
-        groups = spec["groups"] or [[r] for r in range(world)]
-        self.subgroup, _ = dist.new_subgroups_by_enumeration(groups)
-        self.warmup = spec["localsgd_warmup"]
-        self.H = spec["reconcile_interval"]
-        self.net = DistributedDataParallel(self.model)
-        self.state = PostLocalSGDState(process_group=None, subgroup=self.subgroup, start_localSGD_iter=self.warmup)
-        self.net.register_comm_hook(self.state, post_localSGD_hook)
-        averager = HierarchicalModelAverager(period_group_size_dict=OrderedDict([(self.H, world)]),
-                                             warmup_steps=self.warmup)
-        self.opt = PostLocalSGDOptimizer(optim=self.opt, averager=averager)
-        self.steps = 0
-
-    def step(self, b: dict) -> float:
-        out = super().step(b)
-        self.steps += 1
-        return out
-
-    def info(self) -> dict:
-        avg = sum(1 for t in range(self.steps) if t >= self.warmup and t % self.H == 0)
-        return {"localsgd_warmup": self.warmup, "averaging_period": self.H, "averages": avg,
-                "subgroup_size": len((self.spec["groups"] or [[0]])[0])}
-
-
-def _block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
-    return {
-        "enabled": True, "mode": mode,
-        "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"]},
-        "sync": {"last_n_layers": spec["sync_last_n_layers"]},
-        "local": {"reconcile_interval": spec["reconcile_interval"], "async_reconcile": async_reconcile},
-    }
-
-
-class _Reducer(_Plain):
-    """GroupedReducer (DESIGN 5.4) on the plain loop: backward -> finish_grad_sync -> clip on the
-    agreed norm -> step -> after_optimizer_step(optimizer)."""
-
-    def __init__(self, spec: dict, mode: str):
-        from ..config import TopoAlignConfig
-        from ..reducer import GroupedReducer
-
-        super().__init__(spec)
-        self.cfg = TopoAlignConfig.model_validate(_block(spec, mode, async_reconcile=spec["async_reconcile"]))
-        self.reducer = GroupedReducer(self.model, self.cfg)
-
-    def _clip(self) -> None:
-        if self.spec["clip"] <= 0:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        local_sq = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
-        norm = float(self.reducer.global_grad_norm_sq(local_sq)) ** 0.5
-        scale = self.spec["clip"] / (norm + 1e-6)
-        if scale < 1:
-            for g in grads:
-                g.mul_(scale)
-
-    def step(self, b: dict) -> float:
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.model(b["tokens"], b["labels"], b["loss_mask"])
-        loss.backward()
-        self.reducer.finish_grad_sync()
-        self._clip()
-        self.opt.step()
-        self.reducer.after_optimizer_step(self.opt)
-        return float(loss.detach())
-
-    def drain(self) -> None:
-        # An asynchronous reconciliation started at the last step is still on the wire; its bytes
-        # belong to this window (theory counts steps // H of them), so wait for it (not apply it).
-        pending = getattr(self.reducer, "_pending", None)
-        fut = pending.get("future") if isinstance(pending, dict) else None
-        if fut is not None:
-            fut.result()
-
-    def before_eval(self) -> None:
-        self.reducer.reconcile(self.opt)
-
-    def info(self) -> dict:
-        st = self.reducer.stats()
-        total = st["sync_elements"] + st["local_elements"]
-        return {"mode": st["mode"], "fallback_reason": st.get("fallback_reason"),
-                "sync_fraction": st["sync_elements"] / max(1, total),
-                "reconcile_interval": self.spec["reconcile_interval"],
-                "reconciles": st["optimizer_steps"] // self.spec["reconcile_interval"] if st["mode"] == "selective" else 0,
-                "reducer_bytes_total": st["total"]["bytes"], "reducer_steps": st["steps"]}
-
-
-class _DeepSpeed(_Plain):
-    def __init__(self, spec: dict, stage: int, topo_mode: str | None = None):
-        import deepspeed
-
-        super().__init__(spec)
-        world = dist.get_world_size()
-        cfg = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_accumulation_steps": 1,
-               "train_batch_size": spec["micro_batch"] * world, "gradient_clipping": spec["clip"],
-               "steps_per_print": 10**9, "wall_clock_breakdown": False, "zero_optimization": {"stage": stage}}
-        if stage > 0:
-            cfg["zero_allow_untested_optimizer"] = True  # the client AdamW (no fused_adam JIT on CPU)
-        if topo_mode is None:
-            self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=self.opt, config=cfg)
-        else:
-            from .. import deepspeed as tds
-
-            cfg["topo_align"] = _block(spec, topo_mode, async_reconcile=spec["async_reconcile"])
-            self.engine, self.opt, _, _ = tds.initialize(model=self.model, optimizer=self.opt, config=cfg)
-        self.topo_mode = topo_mode
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.engine.optimizer.param_groups:
-            g["lr"] = lr
-
-    def step(self, b: dict) -> float:
-        loss = self.engine(b["tokens"], b["labels"], b["loss_mask"])
-        self.engine.backward(loss)
-        self.engine.step()
-        return float(loss.detach())
-
-    @torch.no_grad()
-    def eval_loss(self, b: dict) -> float:
-        self.engine.eval()
-        out = float(self.engine(b["tokens"], b["labels"], b["loss_mask"]))
-        self.engine.train()
-        return out
-
-    def before_eval(self) -> None:
-        if self.topo_mode is not None and hasattr(self.engine, "topo_reconcile"):
-            self.engine.topo_reconcile()
-
-    def info(self) -> dict:
-        if self.topo_mode is None or not hasattr(self.engine, "topo_align_stats"):
-            return {}
-        st = self.engine.topo_align_stats()
-        keep = {k: st[k] for k in ("mode", "stage", "steps", "reconciles", "sync_fraction", "plan_reason") if k in st}
-        keep["reconcile_interval"] = self.spec["reconcile_interval"]
-        keep["adapter_stats"] = {k: v for k, v in st.items() if k not in keep and _jsonable(v)}
-        return keep
-
-
-def _jsonable(v) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except TypeError:
-        return False
-
-
-_PADDED_VOCAB = 264  # the byte tokenizer's 258 ids padded to a multiple of 8 (as pretrain_megatron)
-
-
-class _Megatron:
-    """megatron-core GPTModel (local spec, same shape), stock DistributedDataParallel, Megatron's
-    optimizer and forward_backward_func, on CPU through topo-align's compatibility layer."""
-
-    def __init__(self, spec: dict, distopt: bool):
-        from ..megatron import cpu_compat
-
-        cpu_compat.apply()
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer import TransformerConfig
-
-        self.spec = spec
-        instances = spec["nodes"] if distopt else 1
-        ps.initialize_model_parallel(1, 1, num_distributed_optimizer_instances=instances)
-        model_parallel_cuda_manual_seed(spec["seed"])
-        torch.manual_seed(spec["seed"])
-        tcfg = TransformerConfig(
-            num_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
-            ffn_hidden_size=4 * spec["hidden"], hidden_dropout=0.0, attention_dropout=0.0,
-            use_cpu_initialization=True, init_method_std=0.02, gradient_accumulation_fusion=False,
-            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-            bias_dropout_fusion=False, apply_rope_fusion=False)
-        self.model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                              vocab_size=_PADDED_VOCAB, max_sequence_length=spec["seq_length"],
-                              position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False)
-        self.params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                                use_distributed_optimizer=distopt,
-                                                num_distributed_optimizer_instances=instances)
-        self.ddp = DistributedDataParallel(tcfg, ddp_cfg, self.model)
-        tcfg.finalize_model_grads_func = finalize_model_grads
-        tcfg.no_sync_func = self.ddp.no_sync
-        self.opt = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=spec["lr"], weight_decay=spec["weight_decay"], adam_beta1=0.9, adam_beta2=0.95,
-            clip_grad=spec["clip"], use_distributed_optimizer=distopt), [self.ddp])
-        self.fb = get_forward_backward_func()
-        seq = spec["seq_length"]
-        self.mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
-        self.pos = torch.arange(seq).unsqueeze(0)
-        self.instances = instances
-
-    def set_lr(self, lr: float) -> None:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-
-    @staticmethod
-    def _masked(loss_mask, output):
-        m = loss_mask.reshape(-1).float()
-        loss = (output.float().reshape(-1) * m).sum() / m.sum().clamp(min=1.0)
-        return loss, {"lm loss": loss.detach()}
-
-    def step(self, b: dict) -> float:
-        from functools import partial
-
-        self.ddp.zero_grad_buffer()
-        self.opt.zero_grad()
-
-        def forward_step(data_iterator, model):
-            x = next(data_iterator)
-            out = model(x["tokens"], self.pos.expand_as(x["tokens"]), self.mask, labels=x["labels"])
-            return out, partial(self._masked, x["loss_mask"])
-
-        res = self.fb(forward_step_func=forward_step, data_iterator=iter([b]), model=[self.ddp],
-                      num_microbatches=1, seq_length=self.spec["seq_length"],
-                      micro_batch_size=self.spec["micro_batch"], forward_only=False)
-        self.opt.step()
-        return float(res[0]["lm loss"])
-
-    @torch.no_grad()
-    def eval_loss(self, b: dict) -> float:
-        self.ddp.eval()
-        out = self.ddp(b["tokens"], self.pos.expand_as(b["tokens"]), self.mask, labels=b["labels"])
-        self.ddp.train()
-        return float(self._masked(b["loss_mask"], out)[0])
-
-    def drain(self) -> None:
-        pass
-
-    def before_eval(self) -> None:
-        pass
-
-    def info(self) -> dict:
-        return {"distributed_optimizer_instances": self.instances, "cpu_compat": True}
-
-
-def build(spec: dict):
-    key = spec["system"]
-    if key == "ddp":
-        return _DDP(spec)
-    if key == "ddp-fp16":
-        return _DDP(spec, hook="fp16")
-    if key == "post-local-sgd":
-        return _PostLocalSGD(spec)
-    if key in ("topo-flat", "topo-hier", "topo-selective"):
-        return _Reducer(spec, {"topo-flat": "flat", "topo-hier": "hierarchical", "topo-selective": "selective"}[key])
-    if key in ("ds-zero0", "ds-zero2"):
-        return _DeepSpeed(spec, 0 if key == "ds-zero0" else 2)
-    if key in ("ds-topo-hier", "ds-topo-selective"):
-        return _DeepSpeed(spec, 0, "hierarchical" if key == "ds-topo-hier" else "selective")
-    if key in ("megatron-ddp", "megatron-distopt"):
-        return _Megatron(spec, distopt=key == "megatron-distopt")
-    raise ValueError(f"system {key!r}: unknown")
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -457,7 +101,7 @@ def run(spec: dict) -> dict | None:
     times, ends, losses = [], [], []
     t0 = time.perf_counter()
     for step in range(spec["steps"]):
-        sysm.set_lr(_lr_at(step, spec))
+        sysm.set_lr(lr_at_step(step, spec))
         b = train(step)
         ts = time.perf_counter()
         loss = sysm.step(b)
@@ -508,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(argv[0], encoding="utf-8") as fh:
         spec = json.load(fh)
+    # The frameworks' import-time notices and deprecations say nothing about the benchmark; this
+    # process is only a worker, so they are silenced here, in its entry point, not at import.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
     try:
         run(spec)
     except BaseException:

@@ -88,8 +88,15 @@ def run(args: argparse.Namespace) -> int:
             _error(f"cannot clean up: {reason}")
             return 2
         rep = cleanup_leftovers()
-        print(f"removed {len(rep.removed)} namespace(s)" + (f": {' '.join(rep.removed)}" if rep.removed else "")
-              + (f"; left {len(rep.kept_live)} of running emulator(s): {' '.join(rep.kept_live)}" if rep.kept_live else ""))
+        print(
+            f"removed {len(rep.removed)} namespace(s)"
+            + (f": {' '.join(rep.removed)}" if rep.removed else "")
+            + (
+                f"; left {len(rep.kept_live)} of running emulator(s): {' '.join(rep.kept_live)}"
+                if rep.kept_live
+                else ""
+            )
+        )
         return 0
     bad = _check_args(args)
     if bad:

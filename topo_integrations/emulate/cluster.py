@@ -35,8 +35,15 @@ from ..topology.model import Topology
 from .counters import CounterSnapshot, snapshot
 from .layout import NODE_IFACE, Layout, NodeSpec, plan_layout
 from .netns import (
-    EmulationError, EmulationUnavailable, add_namespace, delete_namespace, ns_exec_argv, run_ip,
-    unavailable_reason, write_etc_file, HOSTNAME_RE,
+    HOSTNAME_RE,
+    EmulationError,
+    EmulationUnavailable,
+    add_namespace,
+    delete_namespace,
+    ns_exec_argv,
+    run_ip,
+    unavailable_reason,
+    write_etc_file,
 )
 from .shaping import LinkShape, apply_shape, change_shape, netem_available
 
@@ -184,14 +191,18 @@ class EmulatedCluster:
         self._procs.append(proc)
         return proc
 
-    def run(self, node: str | int, argv: Sequence[str], *, timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
+    def run(
+        self, node: str | int, argv: Sequence[str], *, timeout: float = 60.0, **kwargs
+    ) -> subprocess.CompletedProcess:
         """Run ``argv`` on ``node`` to completion (stdout/stderr captured as text)."""
         proc = self.popen(node, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            raise EmulationError(f"{' '.join(argv)} on {self.node(node).host} did not finish within {timeout:g} s") from None
+            raise EmulationError(
+                f"{' '.join(argv)} on {self.node(node).host} did not finish within {timeout:g} s"
+            ) from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def measure(self, src: str | int, dst: str | int, *, nbytes: int = 2_000_000, pings: int = 20,

@@ -107,12 +107,17 @@ def snapshot(layout: Layout) -> CounterSnapshot:
     links: list[LinkCounters] = []
     for node in layout.nodes:
         ifs = read_interfaces(node.ns)
-        for iface, kind, tier, name in ((NODE_IFACE, "uplink", "leaf", node.host), ("lo", "loopback", "island", f"{node.host}:lo")):
+        for iface, kind, tier, name in (
+            (NODE_IFACE, "uplink", "leaf", node.host),
+            ("lo", "loopback", "island", f"{node.host}:lo"),
+        ):
             if iface not in ifs:
                 raise EmulationError(f"interface {iface} is missing in {node.ns} ({node.host})")
             links.append(LinkCounters(name, kind, tier, node.ns, iface, *ifs[iface]))
     if layout.spines:
         ifs = read_interfaces(layout.switch_ns)
         for sp in layout.spines:
-            links.append(LinkCounters(f"{sp.leaf}:spine", "spine", "spine", layout.switch_ns, sp.leaf_port, *ifs[sp.leaf_port]))
+            links.append(
+                LinkCounters(f"{sp.leaf}:spine", "spine", "spine", layout.switch_ns, sp.leaf_port, *ifs[sp.leaf_port])
+            )
     return CounterSnapshot(tuple(links))

@@ -101,13 +101,22 @@ def plan_layout(topo: Topology, prefix: str, *, mtu: int = 9000, uplink_mbit: fl
         if j >= MAX_HOSTS_PER_LEAF:
             raise ValueError(f"{topo.name}: leaf {leaf!r} has more than {MAX_HOSTS_PER_LEAF} hosts; "
                              "the emulator gives each leaf one /24 of 10.213.0.0/16")
-        nodes.append(NodeSpec(
-            index=i, host=host, ns=f"{prefix}-n{i}", address=f"10.213.{li}.{j + 1}", leaf=leaf, leaf_index=li,
-            ranks=tuple(ranks),
-            uplink=LinkShape(uplink_mbit if uplink_mbit is not None else gbps_to_mbit(leaf_t.bandwidth_gbps) * len(ranks),
-                             leaf_t.latency_us / 2000.0),
-            switch_port=f"n{i}",
-        ))
+        nodes.append(
+            NodeSpec(
+                index=i,
+                host=host,
+                ns=f"{prefix}-n{i}",
+                address=f"10.213.{li}.{j + 1}",
+                leaf=leaf,
+                leaf_index=li,
+                ranks=tuple(ranks),
+                uplink=LinkShape(
+                    uplink_mbit if uplink_mbit is not None else gbps_to_mbit(leaf_t.bandwidth_gbps) * len(ranks),
+                    leaf_t.latency_us / 2000.0,
+                ),
+                switch_port=f"n{i}",
+            )
+        )
     spines: list[SpineSpec] = []
     if len(leaves) > 1:
         extra_ms = max(0.0, spine_t.latency_us - leaf_t.latency_us) / 2000.0

@@ -74,7 +74,9 @@ def node_env(cluster: EmulatedCluster, node_index: int, *, port: int = 29500,
     return _common_env(cluster, node_index, port, dict(os.environ if base is None else base))
 
 
-def rank_env(cluster: EmulatedCluster, rank: int, *, port: int = 29500, base: dict[str, str] | None = None) -> dict[str, str]:
+def rank_env(
+    cluster: EmulatedCluster, rank: int, *, port: int = 29500, base: dict[str, str] | None = None
+) -> dict[str, str]:
     """The environment of rank ``rank`` (per-rank mode)."""
     place = cluster.topology.ranks[rank]
     node = cluster.node(place.host)

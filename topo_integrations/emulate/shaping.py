@@ -40,9 +40,13 @@ class LinkShape:
     """One-way delay added by this link end (applied to its egress)."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.rate_mbit, (int, float)) and math.isfinite(self.rate_mbit) and 0.01 <= self.rate_mbit <= 1e7):
+        if not (
+            isinstance(self.rate_mbit, (int, float)) and math.isfinite(self.rate_mbit) and 0.01 <= self.rate_mbit <= 1e7
+        ):
             raise ValueError(f"rate_mbit = {self.rate_mbit!r}; expected a number in [0.01, 1e7] (Mbit/s)")
-        if not (isinstance(self.delay_ms, (int, float)) and math.isfinite(self.delay_ms) and 0 <= self.delay_ms <= 60_000):
+        if not (
+            isinstance(self.delay_ms, (int, float)) and math.isfinite(self.delay_ms) and 0 <= self.delay_ms <= 60_000
+        ):
             raise ValueError(f"delay_ms = {self.delay_ms!r}; expected a number in [0, 60000] (ms)")
 
     @property

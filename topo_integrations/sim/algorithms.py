@@ -279,7 +279,7 @@ def hierarchical_3level(fab: Fabric, groups: np.ndarray, nbytes: float, *, pipel
 
 @dataclass(frozen=True)
 class SelectiveSpec:
-    """The `selective` mode's knobs (DESIGN.md 4), as the cost model needs them."""
+    """The `selective` mode's knobs (docs/reducer.md), as the cost model needs them."""
 
     top_fraction: float = 0.15
     last_n_share: float = 0.0
@@ -329,7 +329,9 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
     if f > 0:
         streams.append(Stream("sync", f, _hier2_phases(fab, intra, rails, sync_b, sync_b, "SYNC "), spec.pipelined))
     if f < 1:
-        streams.append(Stream("local", 1.0 - f, [ring_phase(fab, intra, local_b, "allreduce", "LOCAL intra all-reduce")], True))
+        streams.append(
+            Stream("local", 1.0 - f, [ring_phase(fab, intra, local_b, "allreduce", "LOCAL intra all-reduce")], True)
+        )
     background: list[Phase] = []
     if f < 1:
         h = spec.reconcile_interval

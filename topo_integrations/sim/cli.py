@@ -14,6 +14,7 @@ from ..config import ConfigError
 from ..topology.file_source import load_topology_file
 from ..topology.model import TopologyError
 from .algorithms import ALGORITHMS
+from .compute import DEFAULT_MFU, DEFAULT_SEQ_LENGTH, DEFAULT_TOKENS_PER_STEP, GPU_PEAK_TFLOPS, with_compute_defaults
 from .model import DTYPE_BYTES, RANK_ORDERS, SimError
 from .scenario import SimOptions, options_from_block, simulate
 from .workload import Workload, workload_from_deepspeed_config, workload_from_megatron_args
@@ -40,12 +41,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--pp", type=int, help="pipeline-parallel size (default 1); DP = GPUs / (TP x PP)")
     m.add_argument("--num-layers", type=int, help="transformer layers (for the last-N share of selective)")
     m.add_argument("--deepspeed-config", metavar="FILE", help="DeepSpeed config: precision and its topo_align block")
-    m.add_argument("--megatron-args", metavar="FILE", help="Megatron flags (.args or .json): model, TP/PP, batch, topo-align flags")
-    c = p.add_argument_group("compute per step")
+    m.add_argument(
+        "--megatron-args", metavar="FILE", help="Megatron flags (.args or .json): model, TP/PP, batch, topo-align flags"
+    )
+    c = p.add_argument_group("compute per step", "6 x params x tokens / (GPUs x MFU x peak), unless --compute-s; "
+                             "missing inputs take the defaults of docs/costmodel.md, named in the output")
     c.add_argument("--compute-s", type=_float, help="forward+backward seconds per step")
-    c.add_argument("--mfu", type=_float, help="model FLOPs utilisation, e.g. 0.4")
-    c.add_argument("--peak-tflops", type=_float, help="peak TFLOP/s per GPU, e.g. 312 (A100 bf16)")
-    c.add_argument("--tokens-per-step", type=_float, help="global batch in tokens")
+    c.add_argument("--gpu", metavar="KIND", help=f"GPU kind for the peak ({', '.join(GPU_PEAK_TFLOPS)}; "
+                   "default: the topology file's \"gpu\")")
+    c.add_argument("--mfu", type=_float, help=f"model FLOPs utilisation (default {DEFAULT_MFU:g})")
+    c.add_argument("--peak-tflops", type=_float, help="peak TFLOP/s per GPU (default: from the GPU kind, "
+                   "e.g. 312 for A100 bf16)")
+    c.add_argument("--tokens-per-step", type=_float,
+                   help=f"global batch in tokens (default: from --megatron-args or --deepspeed-config, "
+                        f"else {DEFAULT_TOKENS_PER_STEP:.0f})")
+    c.add_argument("--seq-length", type=int, metavar="N",
+                   help=f"tokens per sample, with --deepspeed-config's train_batch_size (default {DEFAULT_SEQ_LENGTH})")
     o = p.add_argument_group("algorithms and modes")
     o.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma list of {', '.join(ALGORITHMS)}")
     o.add_argument("--rank-order", choices=list(RANK_ORDERS), default="leaf",
@@ -57,10 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--inter-dtype", choices=list(DTYPE_BYTES), help="wire dtype of the plugin's cross-group phases")
     o.add_argument("--top-fraction", type=_float, help="selective: SYNC share chosen by importance (default 0.15)")
     o.add_argument("--last-n-layers", type=int, help="selective: last N layers always SYNC (default 5)")
-    o.add_argument("--last-n-share", type=_float, help="selective: share of the gradient in the last N layers (overrides the layer count)")
+    o.add_argument(
+        "--last-n-share",
+        type=_float,
+        help="selective: share of the gradient in the last N layers (overrides the layer count)",
+    )
     o.add_argument("--sync-dtype", choices=list(DTYPE_BYTES), help="selective: SYNC wire dtype (default fp32)")
     o.add_argument("--local-dtype", choices=list(DTYPE_BYTES), help="selective: LOCAL wire dtype (default fp16)")
-    o.add_argument("--reconcile-dtype", choices=list(DTYPE_BYTES), help="selective: dtype of parameters averaged at reconciliation (default fp32)")
+    o.add_argument(
+        "--reconcile-dtype",
+        choices=list(DTYPE_BYTES),
+        help="selective: dtype of parameters averaged at reconciliation (default fp32)",
+    )
     o.add_argument("--reconcile-interval", type=int, help="selective: steps between reconciliations (default 4)")
     o.add_argument("--async-reconcile", dest="async_reconcile", action="store_true", default=None)
     o.add_argument("--sync-reconcile", dest="async_reconcile", action="store_false")
@@ -73,8 +92,10 @@ def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions
     """Defaults < config files (DeepSpeed / Megatron) < explicit flags."""
     wl = Workload(params=1.0, grad_dtype="bf16")
     params_known = False
+    if args.seq_length is not None and args.seq_length < 1:
+        raise SimError(f"--seq-length {args.seq_length}; expected an integer >= 1")
     if args.deepspeed_config:
-        wl = workload_from_deepspeed_config(args.deepspeed_config, wl)
+        wl = workload_from_deepspeed_config(args.deepspeed_config, wl, seq_length=args.seq_length)
     if args.megatron_args:
         before = wl.params
         wl = workload_from_megatron_args(args.megatron_args, wl)
@@ -89,7 +110,9 @@ def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions
     if "params" in kw:
         params_known = True
     if not params_known:
-        raise SimError("model size unknown: give --params (e.g. 175e9) or --megatron-args with --num-layers and --hidden-size")
+        raise SimError(
+            "model size unknown: give --params (e.g. 175e9) or --megatron-args with --num-layers and --hidden-size"
+        )
     wl = wl.with_(**kw)
     opt = options_from_block(wl.topo_align, SimOptions())
     okw = {"algorithms": tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
@@ -110,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         topo = load_topology_file(args.topology)
         wl, opt = options_and_workload(args)
+        wl = with_compute_defaults(wl, args.gpu or topo.gpu,
+                                   gpu_from="--gpu" if args.gpu else f"{args.topology} (\"gpu\")")
         res = simulate(topo, wl, opt)
         if args.plot:
             from .report import plot_png

@@ -86,7 +86,8 @@ def apply_rank_order(topo: Topology, order: str, *, seed: int = 0) -> Topology:
     for h in hosts:
         for p in by_host[h]:
             places.append(RankPlace(len(places), p.host, p.local_rank, p.island, p.leaf, p.pod))
-    return Topology(tuple(places), dict(topo.tiers), name=topo.name, source=f"{topo.source} (rank order {order})")
+    return Topology(tuple(places), dict(topo.tiers), name=topo.name,
+                    source=f"{topo.source} (rank order {order})", gpu=topo.gpu)
 
 
 @dataclass(frozen=True)

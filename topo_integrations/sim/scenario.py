@@ -8,8 +8,15 @@ from dataclasses import dataclass, field, replace
 
 from ..topology.model import Topology
 from .algorithms import (
-    ALGORITHMS, CommCost, NotApplicable, SelectiveSpec, double_binary_tree, flat_ring, hierarchical_2level,
-    hierarchical_3level, selective,
+    ALGORITHMS,
+    CommCost,
+    NotApplicable,
+    SelectiveSpec,
+    double_binary_tree,
+    flat_ring,
+    hierarchical_2level,
+    hierarchical_3level,
+    selective,
 )
 from .model import DTYPE_BYTES, RANK_ORDERS, SIM_TIERS, Fabric, SimError, apply_rank_order, dtype_bytes
 from .overlap import bucket_timeline
@@ -149,7 +156,7 @@ def _cost(key: str, fab: Fabric, groups, wl: Workload, opt: SimOptions, spec: Se
 
 def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: float, backward_s: float) -> Row:
     bucket_bytes = opt.bucket_mb * MIB
-    ends, exposed, busy, nb, blat = [], 0.0, 0.0, 0, 0.0
+    exposed, busy, nb, blat = 0.0, 0.0, 0, 0.0
     for s in cost.streams:
         tl = bucket_timeline(s.grad_fraction * wl.grad_bytes, bucket_bytes, s.bandwidth_s, s.latency_s,
                              backward_s, opt.overlap)
@@ -185,6 +192,8 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
     world = topo.world_size
     wl.validate(world)
     notes: list[str] = []
+    if wl.assumed and wl.compute_s is None:
+        notes.append("compute per step assumed: " + "; ".join(wl.assumed))
     topo = apply_rank_order(topo, opt.rank_order, seed=opt.seed)
     fab = Fabric.from_topology(topo)
     groups = dp_groups(world, wl.tp, wl.pp)
@@ -244,6 +253,8 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         "params": wl.params, "grad_dtype": wl.grad_dtype, "tp": wl.tp, "pp": wl.pp, "dp": wl.dp(world),
         "grad_elements_per_gpu": wl.grad_elements, "grad_bytes_per_gpu": wl.grad_bytes,
         "num_layers": wl.num_layers, "source": wl.source, "selective_sync_fraction": spec.sync_fraction,
+        "mfu": wl.mfu, "peak_tflops": wl.peak_tflops, "tokens_per_step": wl.tokens_per_step,
+        "assumed": list(wl.assumed),
     }
     opts = dict(opt.__dict__)
     opts["algorithms"] = list(opt.algorithms)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, TopoAlignConfig, load_json_file
-from ..deepspeed.block import from_deepspeed_config
+from .compute import DEFAULT_SEQ_LENGTH
 from .model import DTYPE_BYTES, SimError
 
 __all__ = ["Workload", "dp_groups", "megatron_param_count", "workload_from_megatron_args",
@@ -32,7 +32,8 @@ class Workload:
     tp: int = 1
     pp: int = 1
     compute_s: float | None = None
-    """Forward + backward time per step; or derived from the three fields below."""
+    """Forward + backward time per step; or derived from the three fields below (defaults for them:
+    sim/compute.py, :func:`~topo_integrations.sim.compute.with_compute_defaults`)."""
     mfu: float | None = None
     peak_tflops: float | None = None
     tokens_per_step: float | None = None
@@ -41,6 +42,8 @@ class Workload:
     """Share of compute that is backward (backward costs twice the forward)."""
     topo_align: TopoAlignConfig | None = None
     source: str = "flags"
+    assumed: tuple[str, ...] = ()
+    """Inputs that were not given and took a default (sim/compute.py), as readable phrases."""
 
     def validate(self, world_size: int) -> None:
         if not (isinstance(self.params, (int, float)) and math.isfinite(self.params) and self.params > 0):
@@ -214,16 +217,26 @@ def workload_from_megatron_args(path: str, base: Workload) -> Workload:
     return replace(base, **kw)
 
 
-def workload_from_deepspeed_config(path: str, base: Workload) -> Workload:
-    """Precision, batch size and the "topo_align" block of a DeepSpeed config (params come from flags)."""
+def workload_from_deepspeed_config(path: str, base: Workload, *, seq_length: int | None = None) -> Workload:
+    """Precision, tokens per step (``train_batch_size`` x ``seq_length``, default 2048) and the
+    "topo_align" block of a DeepSpeed config (params come from flags)."""
     try:
         data = load_json_file(path, what="DeepSpeed config")
-        cfg = from_deepspeed_config(data)
+        if not isinstance(data, dict):
+            raise SimError(f"{path}: expected a JSON object (a DeepSpeed config), got {type(data).__name__}")
+        cfg = TopoAlignConfig.from_block(data["topo_align"], where=f"{path}: topo_align") \
+            if "topo_align" in data else None
     except ConfigError as exc:
         raise SimError(str(exc)) from None
-    if not isinstance(data, dict):
-        raise SimError(f"{path}: expected a JSON object (a DeepSpeed config), got {type(data).__name__}")
     kw: dict[str, Any] = {"source": f"deepspeed:{path}", "topo_align": cfg}
+    tbs = data.get("train_batch_size")
+    if tbs is not None:
+        if isinstance(tbs, bool) or not isinstance(tbs, int) or tbs < 1:
+            raise SimError(f"{path}: train_batch_size = {tbs!r}; expected an integer >= 1")
+        kw["tokens_per_step"] = float(tbs * (seq_length or DEFAULT_SEQ_LENGTH))
+        if seq_length is None:
+            kw["assumed"] = (*base.assumed, f"sequence length {DEFAULT_SEQ_LENGTH} (default; --seq-length) "
+                             f"for the DeepSpeed config's train_batch_size {tbs}")
     comm = data.get("communication_data_type")
     names = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
     if comm is not None:

@@ -2,9 +2,9 @@
 
 from .file_source import load_topology_file, topology_from_dict, topology_to_dict
 from .hostlist import compress_hostlist, expand_hostlist
+from .hostnames import topology_from_hostnames
 from .model import DEFAULT_TIERS, TIER_NAMES, RankPlace, Tier, Topology, TopologyError
 from .planner import Plan, PlanError, plan_groups
-from .hostnames import topology_from_hostnames
 from .sources import KINDS, load_source, load_sources
 
 __all__ = [

@@ -3,6 +3,7 @@
     {
       "format": "topo-align/topology/v1",
       "name": "dgx-a100-superpod",
+      "gpu": "A100",
       "gpus_per_node": 8,
       "island_size": null,
       "tiers": {"island": {"bandwidth_gbps": 230, "latency_us": 2},
@@ -30,7 +31,7 @@ __all__ = ["FORMAT", "load_topology_file", "topology_from_dict", "topology_to_di
 
 FORMAT = "topo-align/topology/v1"
 MAX_RANKS = 1_048_576
-_TOP_KEYS = {"format", "name", "gpus_per_node", "island_size", "tiers", "leaves", "islands", "description"}
+_TOP_KEYS = {"format", "name", "gpus_per_node", "island_size", "tiers", "leaves", "islands", "description", "gpu"}
 _TIER_KEYS = {"bandwidth_gbps", "latency_us", "oversubscription"}
 _LEAF_KEYS = {"name", "pod", "hosts"}
 
@@ -78,7 +79,7 @@ def _hosts(v: Any, path: str, src: str, default_gpus: int) -> list[tuple[str, in
             gpus = _int(item.get("gpus", default_gpus), f"{path}[{i}].gpus", src, 1, 4096)
             out.append((host, gpus))
         else:
-            raise TopologyError(f"{_where(src, f'{path}[{i}]')} = {item!r}; expected a host name or {{\"host\", \"gpus\"}}")
+            raise TopologyError(f'{_where(src, f"{path}[{i}]")} = {item!r}; expected a host name or {{"host", "gpus"}}')
     return out
 
 
@@ -95,6 +96,9 @@ def topology_from_dict(data: Any, *, source: str = "file") -> Topology:
     isz = data.get("island_size")
     if isz is not None:
         isz = _int(isz, "island_size", source, 1, 4096)
+    gpu = data.get("gpu")
+    if gpu is not None:
+        gpu = _str(gpu, "gpu", source)
 
     tiers = dict(DEFAULT_TIERS)
     raw_tiers = data.get("tiers", {})
@@ -145,7 +149,9 @@ def topology_from_dict(data: Any, *, source: str = "file") -> Topology:
         pod = _str(leaf.get("pod", "pod0"), f"leaves[{li}].pod", source)
         for host, n in _hosts(leaf.get("hosts"), f"leaves[{li}].hosts", source, gpn):
             if host in seen_hosts:
-                raise TopologyError(f"{source}: host {host!r} is listed twice (leaves {seen_hosts[host]!r} and {lname!r})")
+                raise TopologyError(
+                    f"{source}: host {host!r} is listed twice (leaves {seen_hosts[host]!r} and {lname!r})"
+                )
             seen_hosts[host] = lname
             if len(places) + n > MAX_RANKS:
                 raise TopologyError(f"{source}: more than {MAX_RANKS} ranks")
@@ -160,7 +166,7 @@ def topology_from_dict(data: Any, *, source: str = "file") -> Topology:
     unknown_island_hosts = sorted(set(island_of) - set(seen_hosts))
     if unknown_island_hosts:
         raise TopologyError(f"{source}: islands name host {unknown_island_hosts[0]!r} that no leaf lists")
-    return Topology(tuple(places), tiers, name=name, source=source)
+    return Topology(tuple(places), tiers, name=name, source=source, gpu=gpu)
 
 
 def load_topology_file(path: str | os.PathLike[str]) -> Topology:
@@ -210,4 +216,6 @@ def topology_to_dict(topo: Topology) -> dict:
         out["island_size"] = sizes.pop()
     if multi:
         out["islands"] = [{"name": k, "hosts": v} for k, v in multi.items()]
+    if topo.gpu is not None:
+        out["gpu"] = topo.gpu
     return out

@@ -48,12 +48,16 @@ def topology_from_hostnames(
             if isinstance(lr, bool) or not isinstance(lr, int) or lr < 0:
                 raise TopologyError(f"{src}: rank {r} has local rank {lr!r}; expected an integer >= 0")
         if (h, lr) in used:
-            raise TopologyError(f"{src}: ranks share host {h!r} and local rank {lr}; expected one rank per (host, local rank)")
+            raise TopologyError(
+                f"{src}: ranks share host {h!r} and local rank {lr}; expected one rank per (host, local rank)"
+            )
         used.add((h, lr))
         island = h
         if node is not None and len(node.islands) > 1:
             if lr >= node.gpus:
-                raise TopologyError(f"{src}: rank {r} is local rank {lr} on {h!r}, but {node.source} has {node.gpus} GPUs")
+                raise TopologyError(
+                    f"{src}: rank {r} is local rank {lr} on {h!r}, but {node.source} has {node.gpus} GPUs"
+                )
             k = next(i for i, isl in enumerate(node.islands) if lr in isl)
             island = f"{h}/i{k}"
         leaf = (leaf_of or {}).get(h, "leaf0")

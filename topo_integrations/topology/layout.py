@@ -26,9 +26,9 @@ __all__ = [
 MAX_SOURCE_BYTES = 16 * 1024 * 1024
 
 # Estimates used when a source gives link counts or line rates instead of measured bandwidth
-# (research/topo.md Part 1(e)): one NVLink (gen 2-4) carries 25 GB/s per direction, and an all-reduce
-# ring reaches ~80 % of it (230 GB/s of 300 on A100, ~370 of 450 on H100). IB reaches ~96 % of line
-# rate (192 GB/s measured over 8 x 200 Gb/s HDR).
+# (docs/topology-format.md, "Where the estimates come from"): one NVLink (gen 2-4) carries 25 GB/s
+# per direction, and an all-reduce ring reaches ~80 % of it (230 GB/s of 300 on A100, ~370 of 450
+# on H100). IB reaches ~96 % of line rate (192 GB/s measured over 8 x 200 Gb/s HDR).
 NVLINK_GBPS_PER_LINK = 25.0
 NVLINK_EFFICIENCY = 0.8
 NET_EFFICIENCY = 0.96

@@ -51,8 +51,8 @@ class Tier:
         }
 
 
-# Effective figures for a DGX A100 SuperPOD (research/topo.md Part 1(e)): NVLink ~230 GB/s per GPU,
-# HDR ~24 GB/s per GPU, PCIe/SMP between bridged pairs ~20 GB/s.
+# Effective figures for a DGX A100 SuperPOD (docs/topology-format.md, "Where the estimates come
+# from"): NVLink ~230 GB/s per GPU, HDR ~24 GB/s per GPU, PCIe/SMP between bridged pairs ~20 GB/s.
 DEFAULT_TIERS: dict[str, Tier] = {
     "island": Tier("island", 230.0, 2.0),
     "host": Tier("host", 20.0, 5.0),
@@ -82,6 +82,9 @@ class Topology:
     name: str = "topology"
     source: str = "memory"
     """Where this topology came from (e.g. ``slurm:topology.conf``), for messages."""
+    gpu: str | None = None
+    """The GPU kind, e.g. ``"A100"`` (topology files' optional ``"gpu"`` key); the cost model takes
+    its default peak FLOP/s from it (docs/costmodel.md). None when the source does not say."""
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -111,9 +114,13 @@ class Topology:
         seen: set[tuple[str, int]] = set()
         for p in self.ranks:
             if host_leaf.setdefault(p.host, p.leaf) != p.leaf:
-                raise TopologyError(f"{self.name}: host {p.host!r} is under two leaves ({host_leaf[p.host]!r}, {p.leaf!r})")
+                raise TopologyError(
+                    f"{self.name}: host {p.host!r} is under two leaves ({host_leaf[p.host]!r}, {p.leaf!r})"
+                )
             if island_leaf.setdefault(p.island, p.leaf) != p.leaf:
-                raise TopologyError(f"{self.name}: island {p.island!r} spans leaves {island_leaf[p.island]!r} and {p.leaf!r}")
+                raise TopologyError(
+                    f"{self.name}: island {p.island!r} spans leaves {island_leaf[p.island]!r} and {p.leaf!r}"
+                )
             key = (p.host, p.local_rank)
             if key in seen:
                 raise TopologyError(f"{self.name}: host {p.host!r} has local rank {p.local_rank} twice")
@@ -239,4 +246,4 @@ class Topology:
     def with_tiers(self, **tiers: Tier) -> Topology:
         merged = dict(self.tiers)
         merged.update(tiers)
-        return Topology(self.ranks, merged, name=self.name, source=self.source)
+        return Topology(self.ranks, merged, name=self.name, source=self.source, gpu=self.gpu)

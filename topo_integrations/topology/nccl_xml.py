@@ -1,6 +1,6 @@
 """NCCL topology XML (``NCCL_TOPO_DUMP_FILE`` output, ``NCCL_TOPO_FILE`` input) -> `NodeLayout`.
 
-Schema (research/topo.md Part 1(b)): ``<system>`` > ``<cpu>`` > nested ``<pci busid class ...>`` >
+Schema (NCCL 2.30 ``src/graph/xml.h``, ``xml.cc``): ``<system>`` > ``<cpu>`` > nested ``<pci busid class ...>`` >
 ``<gpu dev ...>`` with ``<nvlink target count tclass>`` children, and ``<nic>`` > ``<net name speed>``.
 NVLink islands are the connected components of GPUs joined directly (target is another GPU's bus id)
 or through an NVSwitch (``tclass="0x068000"``).
@@ -18,7 +18,7 @@ from collections import Counter
 
 from .layout import NodeLayout, island_tier_from_links, net_tier_from_rate, read_source_text
 from .model import TopologyError
-from .nvidia_smi import _components
+from .nvidia_smi import connected_components
 
 __all__ = ["parse_nccl_xml", "load_nccl_xml", "NVSWITCH_CLASS"]
 
@@ -55,7 +55,9 @@ def parse_nccl_xml(text: str, *, source: str = "nccl-xml") -> NodeLayout:
         root = ET.fromstring(text)
     except ET.ParseError as exc:
         line, col = getattr(exc, "position", (0, 0))
-        raise TopologyError(f"{source}: line {line}, column {col}: not well-formed XML; expected an NCCL topology XML") from None
+        raise TopologyError(
+            f"{source}: line {line}, column {col}: not well-formed XML; expected an NCCL topology XML"
+        ) from None
     if root.tag != "system":
         raise TopologyError(f"{source}: root element <{root.tag}>; expected <system>")
 
@@ -74,7 +76,9 @@ def parse_nccl_xml(text: str, *, source: str = "nccl-xml") -> NodeLayout:
         p = parent.get(g)
         busid = p.get("busid") if p is not None and p.tag == "pci" else None
         if not busid:
-            raise TopologyError(f"{source}: <gpu dev=\"{dev}\"> is not inside a <pci busid=...>; expected NCCL's nesting")
+            raise TopologyError(
+                f'{source}: <gpu dev="{dev}"> is not inside a <pci busid=...>; expected NCCL\'s nesting'
+            )
         gpus.append((dev, busid.lower(), g))
     if not gpus:
         raise TopologyError(f"{source}: no <gpu> elements; expected an NCCL topology XML of a GPU node")
@@ -103,10 +107,10 @@ def parse_nccl_xml(text: str, *, source: str = "nccl-xml") -> NodeLayout:
                 edges.append((i, sid))
                 links[i] += cnt
             # Other targets (e.g. NVLink to a POWER9 CPU) do not join GPUs into an island.
-    comps = _components(n + len(switch_ids), edges)
+    comps = connected_components(n + len(switch_ids), edges)
     islands = tuple(tuple(x for x in c if x < n) for c in comps)
     islands = tuple(sorted((c for c in islands if c), key=lambda c: c[0]))
-    in_island = [l for isl in islands if len(isl) > 1 for l in (links[i] for i in isl)]
+    in_island = [link for isl in islands if len(isl) > 1 for link in (links[i] for i in isl)]
 
     speeds: list[int] = []
     nics: list[str] = []

@@ -1,6 +1,6 @@
 """``nvidia-smi topo -m`` text -> the `NodeLayout` of one node.
 
-Accepted shapes (research/topo.md Part 1(a)): a header row of device columns (``GPU0 .. GPUn``, then
+Accepted shapes (docs/topology-format.md, ``nvidia-smi``): a header row of device columns (``GPU0 .. GPUn``, then
 either ``NIC0 ..`` with a ``NIC Legend:`` block, or the older ``mlx5_N`` columns), followed by
 ``CPU Affinity`` etc.; one row per device; cells separated by tabs or spaces. Lines before the header
 (comments, the ``$ nvidia-smi topo -m`` prompt) and the ``Legend:`` block are skipped.
@@ -16,7 +16,7 @@ import re
 from .layout import NodeLayout, island_tier_from_links, read_source_text
 from .model import TopologyError
 
-__all__ = ["parse_nvidia_smi", "load_nvidia_smi", "CELL_VALUES"]
+__all__ = ["parse_nvidia_smi", "load_nvidia_smi", "connected_components", "CELL_VALUES"]
 
 CELL_VALUES = ("X", "SYS", "SOC", "NODE", "PHB", "PXB", "PIX", "NV<n>")
 _PCIE = {"SYS", "SOC", "NODE", "PHB", "PXB", "PIX"}  # SOC: older drivers' name for SYS
@@ -27,7 +27,9 @@ _LEGEND_ENTRY = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 MAX_GPUS = 4096
 
 
-def _components(n: int, edges: list[tuple[int, int]]) -> list[list[int]]:
+def connected_components(n: int, edges: list[tuple[int, int]]) -> list[list[int]]:
+    """Connected components of the graph on ``0..n-1`` (union-find), each sorted, in order of their
+    smallest member; used for NVLink islands here and in the NCCL XML source."""
     parent = list(range(n))
 
     def find(x: int) -> int:
@@ -82,11 +84,14 @@ def parse_nvidia_smi(text: str, *, source: str = "nvidia-smi") -> NodeLayout:
             f"{source}: no header row starting with 'GPU0'; expected the output of `nvidia-smi topo -m`"
         )
     if len(columns) > MAX_GPUS + 1024:
-        raise TopologyError(f"{source}: line {header_at + 1}: {len(columns)} device columns; at most {MAX_GPUS + 1024} accepted")
+        raise TopologyError(
+            f"{source}: line {header_at + 1}: {len(columns)} device columns; at most {MAX_GPUS + 1024} accepted"
+        )
     gpus = [c for c in columns if _GPU.match(c)]
     if [c for c in columns[: len(gpus)]] != [f"GPU{i}" for i in range(len(gpus))]:
         raise TopologyError(
-            f"{source}: line {header_at + 1}: GPU columns must come first as GPU0, GPU1, ... in order; got {columns[:len(gpus) + 1]}"
+            f"{source}: line {header_at + 1}: GPU columns must come first as GPU0, GPU1, ... in order; "
+            f"got {columns[: len(gpus) + 1]}"
         )
     n = len(gpus)
     col_index = {c: j for j, c in enumerate(columns)}
@@ -122,7 +127,8 @@ def parse_nvidia_smi(text: str, *, source: str = "nvidia-smi") -> NodeLayout:
         cells = toks[1 : 1 + len(columns)]
         if len(cells) < len(columns):
             raise TopologyError(
-                f"{source}: line {i + 1}: row {name!r} has {len(cells)} cells; expected {len(columns)} (one per device column)"
+                f"{source}: line {i + 1}: row {name!r} has {len(cells)} cells; "
+                f"expected {len(columns)} (one per device column)"
             )
         for j, cell in enumerate(cells):
             ok = (cell == "X") == (j == col_index[name]) and (cell == "X" or cell in _PCIE or _NV.match(cell))
@@ -146,7 +152,7 @@ def parse_nvidia_smi(text: str, *, source: str = "nvidia-smi") -> NodeLayout:
             if m and a != b:
                 nv[(a, b)] = int(m.group(1))
                 edges.append((a, b))
-    islands = _components(n, edges)
+    islands = connected_components(n, edges)
     links = min(links_per_gpu(isl, nv) for isl in islands)
     nics = tuple(nic_legend.get(c, c) for c in columns[n:])
     return NodeLayout(

@@ -5,7 +5,8 @@
 
 Leaves are the switches with ``Nodes=`` (or ``BlockName=`` blocks); a leaf's pod is the switch that
 lists it in ``Switches=`` (``pod0`` when none does). On a rail-optimised SuperPOD the usual practice
-is one logical leaf per scalable unit (research/topo.md Part 1(c)); that is what the leaves then mean.
+is one logical leaf per scalable unit (docs/topology-format.md, ``slurm``); that is what the leaves
+then mean.
 Keys are case-insensitive as in Slurm; ``LinkSpeed`` is accepted and ignored (Slurm ignores it too).
 
 The node list (``SLURM_JOB_NODELIST`` syntax, e.g. ``dgx[001-020,045]``) gives the job's hosts in
@@ -71,7 +72,9 @@ def parse_topology_conf(text: str, *, source: str = "topology.conf") -> SlurmTre
             raise TopologyError(f"{source}: line {i}: switch {name!r} already defined on line {switch_line[name]}")
         switch_line[name] = i
         if "nodes" in kv and "switches" in kv:
-            raise TopologyError(f"{source}: line {i}: switch {name!r} has both Nodes= and Switches=; a switch has one or the other")
+            raise TopologyError(
+                f"{source}: line {i}: switch {name!r} has both Nodes= and Switches=; a switch has one or the other"
+            )
         if "nodes" in kv:
             try:
                 names = expand_hostlist(kv["nodes"])
@@ -79,7 +82,10 @@ def parse_topology_conf(text: str, *, source: str = "topology.conf") -> SlurmTre
                 raise TopologyError(f"{source}: line {i}: Nodes=: {exc}") from None
             for h in names:
                 if h in leaf_of:
-                    raise TopologyError(f"{source}: line {i}: node {h!r} is already under switch {leaf_of[h]!r}; topology/tree is a strict tree")
+                    raise TopologyError(
+                        f"{source}: line {i}: node {h!r} is already under switch {leaf_of[h]!r}; "
+                        "topology/tree is a strict tree"
+                    )
                 leaf_of[h] = name
                 hosts.append(h)
             leaves.append(name)

@@ -127,7 +127,9 @@ def _combine(parts: list[tuple[str, str]], **opts: Any) -> Topology:
             raise TopologyError(f"gpus_per_node = {gpn} but {node.source} describes {node.gpus} GPUs")
     if hosts_k:
         if nodes is not None:
-            raise TopologyError(f"{label}: nodes= replicates a node source used alone; the hosts come from {hosts_k[0]}")
+            raise TopologyError(
+                f"{label}: nodes= replicates a node source used alone; the hosts come from {hosts_k[0]}"
+            )
         kind = hosts_k[0]
         if kind == "slurm":
             hosts = load_slurm_hosts(by_kind[kind], gpus=None if node else (gpn or 8))
@@ -160,4 +162,4 @@ def _apply_ib(topo: Topology, root: str, gpus: int) -> Topology:
 
 
 def _renamed(topo: Topology, name: str | None, label: str) -> Topology:
-    return Topology(topo.ranks, topo.tiers, name=name or topo.name, source=label)
+    return Topology(topo.ranks, topo.tiers, name=name or topo.name, source=label, gpu=topo.gpu)

@@ -13,29 +13,34 @@ import json
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import warnings
-
 import torch
 import torch.distributed as dist
-
-# megatron-core warns at import, once per module and rank, that it falls back to its own kernels
-# without Transformer Engine/Apex; on CPU that is expected, and 16 copies would bury the progress bar.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-warnings.filterwarnings("ignore", message="Apex is not installed. Falling back to Torch Norm")
-# torch 2.13 renames the tensor collectives the reducer uses (gloo and NCCL run them unchanged), and
-# megatron-core's default config trips its own deprecation notice; neither is the user's concern.
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 from ..config import ConfigError, TopoAlignConfig
 from .data import DEFAULT_MAX_BYTES, DataError, GlobalBatches, build_gpt_datasets, prepare_dataset
 from .model import PRESETS, PresetError
 
 __all__ = ["UsageError", "ArgumentParser", "add_common_args", "parse_set", "topo_block", "init_distributed",
-           "lr_at", "RunPaths", "run_paths", "virtual_hostname", "fail"]
+           "lr_at", "RunPaths", "run_paths", "virtual_hostname", "fail", "quiet_known_warnings"]
+
+
+def quiet_known_warnings() -> None:
+    """Silence the notices every rank would print that say nothing to the user. Called by the entry
+    points' ``main()`` (never at import: a library module leaves the process's filters alone).
+
+    megatron-core warns at import, once per module and rank, that it falls back to its own kernels
+    without Transformer Engine/Apex; on CPU that is expected, and 16 copies would bury the progress
+    bar. torch 2.13 renames the tensor collectives the reducer uses (gloo and NCCL run them
+    unchanged), and megatron-core's default config trips its own deprecation notice.
+    """
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message="Apex is not installed. Falling back to Torch Norm")
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 
 class UsageError(ValueError):
@@ -108,7 +113,7 @@ def add_common_args(ap: argparse.ArgumentParser, *, topo_flags: bool = True) -> 
     g.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="exit (without a final checkpoint) after this step, as if killed; for testing --resume")
 
-    g = ap.add_argument_group("topo-align (the \"topo_align\" block, DESIGN.md 5.1)")
+    g = ap.add_argument_group("topo-align (the \"topo_align\" block, README.md: Config reference)")
     g.add_argument("--no-topo-align", action="store_true", help="stock framework reduction (the baseline)")
     if topo_flags:
         g.add_argument("--topo-align-config", default=None, metavar="FILE",

@@ -50,8 +50,9 @@ def tier_bytes(stats: dict | None) -> dict[str, float]:
     """Cumulative payload bytes per tier (``intra``, ``inter``, ``dp``) from the adapters' stats.
 
     Accepts the DeepSpeed adapter's ``{"total": {"inter/sync/bytes": n, ...}}`` and the Megatron
-    adapter's ``{"totals": {class: {tier: {"bytes": n}}}}`` (both summed over classes), nested ``{"total": {"bytes": {tier: n | {class: n}}}}`` and the flat
-    ``{"bytes": {tier: n}}``; tiers that are not reported are absent.
+    adapter's ``{"totals": {class: {tier: {"bytes": n}}}}`` (both summed over classes), nested
+    ``{"total": {"bytes": {tier: n | {class: n}}}}`` and the flat ``{"bytes": {tier: n}}``; tiers
+    that are not reported are absent.
     """
     if not stats:
         return {}
@@ -60,7 +61,11 @@ def tier_bytes(stats: dict | None) -> dict[str, float]:
         # The Megatron adapter: {"totals": {class: {tier: {"bytes": n, "seconds": s}}}}.
         for tiers in stats["totals"].values():
             for tier, v in (tiers.items() if isinstance(tiers, dict) else ()):
-                if tier in ("intra", "inter", "dp") and isinstance(v, dict) and isinstance(v.get("bytes"), (int, float)):
+                if (
+                    tier in ("intra", "inter", "dp")
+                    and isinstance(v, dict)
+                    and isinstance(v.get("bytes"), (int, float))
+                ):
                     out[tier] = out.get(tier, 0.0) + float(v["bytes"])
         return out
     node: Any = stats.get("total", stats)
@@ -254,20 +259,28 @@ class TrainLogger:
             mean = {k: (self._bytes_last[k] - self._bytes_first.get(k, 0.0)) / self._bytes_steps
                     for k in self._bytes_last}
         s: dict[str, Any] = {
-            "label": self.label, "steps": steps_done, "start_step": self.start_step,
-            "final_loss": self.last_loss, "first_val_loss": self.first_val, "final_val_loss": self.last_val,
+            "label": self.label,
+            "steps": steps_done,
+            "start_step": self.start_step,
+            "final_loss": self.last_loss,
+            "first_val_loss": self.first_val,
+            "final_val_loss": self.last_val,
             "val_loss_drop": (1 - self.last_val / self.first_val) if self.first_val and self.last_val else None,
             "val_history": self.val_history,
-            "train_time_s": round(self.train_time, 2), "wall_time_s": round(time.monotonic() - self.t0, 2),
-            "tokens_per_s": (self.tokens_per_step * (steps_done - self.start_step) / self.train_time
-                             if self.train_time > 0 else None),
-            "bytes_per_step": mean, "bytes_per_step_source": "adapter counters" if mean else "none (framework's own reduction)",
+            "train_time_s": round(self.train_time, 2),
+            "wall_time_s": round(time.monotonic() - self.t0, 2),
+            "tokens_per_s": (
+                self.tokens_per_step * (steps_done - self.start_step) / self.train_time if self.train_time > 0 else None
+            ),
+            "bytes_per_step": mean,
+            "bytes_per_step_source": "adapter counters" if mean else "none (framework's own reduction)",
             "flat_allreduce_bytes_per_step": self.flat_bytes,
             # Collectives over the whole DP group (tier "dp": agreement scalars, or a flat fallback)
             # cross the slow tier too, so they count as inter-group traffic.
             "inter_group_bytes_per_step": (mean.get("inter", 0.0) + mean.get("dp", 0.0)) if mean else None,
             "inter_vs_flat": ((mean.get("inter", 0.0) + mean.get("dp", 0.0)) / self.flat_bytes)
-            if mean and self.flat_bytes else None,
+            if mean and self.flat_bytes
+            else None,
             **(extra or {}),
         }
         if self.active:

@@ -229,7 +229,9 @@ def run(args: argparse.Namespace) -> dict:
             log.close()
             return {"stopped_at": step}
         if (args.save_interval and step % args.save_interval == 0) or step == args.train_steps:
-            engine.save_checkpoint(paths.ckpt_dir, tag=f"step_{step:07d}", client_state={"step": step, "val_history": log.val_history})
+            engine.save_checkpoint(
+                paths.ckpt_dir, tag=f"step_{step:07d}", client_state={"step": step, "val_history": log.val_history}
+            )
             if rank == 0:
                 _prune(paths.ckpt_dir, keep=2)
     summary = log.summary(steps_done=step, extra={"framework": "deepspeed", "mode": mode, "model": args.model,
@@ -246,6 +248,7 @@ def _prune(ckpt_dir: str, keep: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    common.quiet_known_warnings()
     return common.run_main(build_parser().parse_args(argv), check, run)
 
 

@@ -305,6 +305,7 @@ def run_megatron_lm(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    common.quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--megatron-lm" in argv:
         # Everything but --megatron-lm DIR belongs to Megatron-LM's own parser.

@@ -25,8 +25,8 @@ QUICK = dict(steps=6, micro_batch=2, layers=2, hidden=64, heads=2, seq_length=32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..bench.driver import PRESETS
-    from ..bench.systems import SYSTEMS
+    from .driver import PRESETS
+    from .systems import SYSTEMS
 
     p.add_argument("--preset", default="2x2", choices=sorted(PRESETS),
                    help="emulated cluster: 2x2 (default; 2 nodes x 2 ranks, 200 Mbit/s uplinks), 4x1, 2leaf")
@@ -60,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace):
-    from ..bench.driver import BenchSpec
-    from ..bench.systems import SYSTEMS
+    from .driver import BenchSpec
+    from .systems import SYSTEMS
 
     kw: dict = {}
     if args.quick:
@@ -94,8 +94,8 @@ def write_section(path: str, preset: str, text: str) -> None:
 def _load_results(path: str, spec) -> dict:
     import json
 
-    from ..bench.driver import BenchError
-    from ..bench.report import summarize
+    from .driver import BenchError
+    from .report import summarize
 
     try:
         with open(path, encoding="utf-8") as fh:
@@ -109,8 +109,8 @@ def _load_results(path: str, spec) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.driver import BenchError, run_bench
-    from ..bench.report import markdown, plot
+    from .driver import BenchError, run_bench
+    from .report import markdown, plot
 
     try:
         spec = _spec(args)
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         rel = {k: os.path.relpath(v, os.path.dirname(os.path.abspath(args.markdown))) for k, v in images.items()}
         write_section(args.markdown, spec.preset + ("-quick" if args.quick else ""), markdown(results, rel))
-    from ..bench.report import table
+    from .report import table
 
     print(table(results))
     for g in results.get("goals", []):

@@ -1,0 +1,7 @@
+"""`python -m topo_integrations.bench ...` = `topo-align bench ...`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
