@@ -31,7 +31,8 @@ def summarize(results: dict, H: int) -> dict:
     rec = [t[i] for i in range(1, len(t)) if (i + 1) % H == 0]
     other = [t[i] for i in range(1, len(t)) if (i + 1) % H != 0]
     f = lambda xs: {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}  # noqa: E731
-    return {"reconcile_steps": f(rec), "other_steps": f(other), "slowest_step": 1 + max(range(1, len(t)), key=t.__getitem__),
+    return {"reconcile_steps": f(rec), "other_steps": f(other),
+            "slowest_step": 1 + max(range(1, len(t)), key=t.__getitem__),
             "slowest_is_reconcile": (1 + max(range(1, len(t)), key=t.__getitem__)) % H == 0,
             "load": [sysres.get("load_start"), sysres.get("load_end")], "step_times_s": t}
 
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
         out[mode] = summarize(res, a.reconcile_interval)
         s = out[mode]
         print(f"{mode}: reconcile steps median {s['reconcile_steps']['median']:.3f} s "
-              f"(min {s['reconcile_steps']['min']:.3f}, max {s['reconcile_steps']['max']:.3f}, n {s['reconcile_steps']['n']}); "
+              f"(min {s['reconcile_steps']['min']:.3f}, max {s['reconcile_steps']['max']:.3f}, "
+              f"n {s['reconcile_steps']['n']}); "
               f"other steps median {s['other_steps']['median']:.3f} s (min {s['other_steps']['min']:.3f}, "
               f"max {s['other_steps']['max']:.3f}); slowest step {s['slowest_step']} "
               f"({'a reconcile step' if s['slowest_is_reconcile'] else 'not a reconcile step'}); load {s['load']}",

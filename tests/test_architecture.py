@@ -53,25 +53,20 @@ ALLOWED: dict[str, set[str]] = {
 # TODO(#14): removed by the adapter rewrite. (importing module, part it imports) pairs that break
 # the layering today; the reducer's owner moves what reducer/health.py needs from doctor/emulate
 # into diagnostics.py (already there).
-KNOWN_LAYER_EXCEPTIONS: set[tuple[str, str]] = {
-    ("topo_integrations.reducer.health", "doctor"),
-    ("topo_integrations.reducer.health", "emulate"),
-}
+KNOWN_LAYER_EXCEPTIONS: set[tuple[str, str]] = set()
 
 # Third-party frameworks and the parts that may import them.
 FRAMEWORKS = {"deepspeed": {"deepspeed", "train", "bench"}, "megatron": {"megatron", "train", "bench"}}
 
 # TODO(#14): removed by the adapter rewrite. (importing module, private name) pairs.
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = {
-    ("topo_integrations.reducer.adaptive", "topo_integrations.reducer.collectives._run"),
-    ("topo_integrations.reducer.health", "topo_integrations.reducer.collectives._run"),
     ("topo_integrations.megatron.ddp", "topo_integrations.reducer.collectives._run"),
     ("topo_integrations.megatron.ddp", "topo_integrations.reducer.collectives._hop"),
 }
 
 MAX_LINES = 500
 # TODO(#14): removed by the adapter rewrite (megatron/ddp.py is split by job; reducer.py likewise).
-KNOWN_LONG_MODULES = {"topo_integrations/megatron/ddp.py", "topo_integrations/reducer/reducer.py"}
+KNOWN_LONG_MODULES = {"topo_integrations/megatron/ddp.py"}
 
 
 def _modules() -> dict[str, Path]:
@@ -265,16 +260,9 @@ SUFFIXES = {".py", ".md", ".sh", ".json", ".args", ".txt", ".toml", ".ini", ".pa
 
 # TODO(#14): removed by the adapter rewrite (comments in modules other work is rewriting).
 KNOWN_OUTSIDE_REFERENCES = {
-    "topo_integrations/deepspeed/api.py", "topo_integrations/deepspeed/classes.py",
-    "topo_integrations/deepspeed/compat.py", "topo_integrations/deepspeed/engine.py",
-    "topo_integrations/deepspeed/harness.py", "topo_integrations/deepspeed/mpu.py",
-    "topo_integrations/deepspeed/wire.py", "topo_integrations/deepspeed/zero.py",
     "topo_integrations/megatron/__init__.py", "topo_integrations/megatron/classes.py",
     "topo_integrations/megatron/cpu_compat.py", "topo_integrations/megatron/ddp.py",
     "topo_integrations/megatron/flags.py", "topo_integrations/megatron/megatron_lm.py",
-    "topo_integrations/reducer/__init__.py", "topo_integrations/reducer/drift.py",
-    "topo_integrations/reducer/groups.py", "topo_integrations/reducer/reconcile.py",
-    "topo_integrations/reducer/reducer.py",
 }
 
 

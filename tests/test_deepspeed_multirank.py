@@ -609,7 +609,8 @@ def test_adaptive_levels_keep_invariants(world, stage, mode):
             assert r["H"] == 8
         if r["level"] == "fp16":
             assert r["sync_dtype"] == "torch.float16"
-    assert rec["runs"][-1]["sync_dtype"] == "torch.float32" and rec["runs"][-1]["H"] == (2 if mode == "selective" else 4)
+    last = rec["runs"][-1]
+    assert last["sync_dtype"] == "torch.float32" and last["H"] == (2 if mode == "selective" else 4)
     assert rec["equal_at_end"] and rec["finite"]
 
 

@@ -183,8 +183,8 @@ def _world(rank, world_size):
     res["findings"] = [(f.level, f.what) for f in start_of_run_check(red.groups, sysfs_root="/nonexistent",
                                                                      nbytes=64 * 1024)]
     # adaptive regrouping: rank 0's plan (islands {0, 2}, {1, 3}) wins, every rank rebuilds the groups
-    from topo_integrations.reducer.adaptive import regroup
     from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.reducer.regroup import regroup
     from topo_integrations.topology import plan_groups
 
     theirs = plan_groups(gather_hostnames_topology(["a", "b", "a", "b"]))
@@ -484,8 +484,8 @@ def test_adaptive_regroup_triggers_at_check_and_all_ranks_agree(world):
 
 
 def test_choose_plan_prefers_the_grouping_that_avoids_the_slow_tier():
-    from topo_integrations.reducer.adaptive import choose_plan
     from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.reducer.regroup import choose_plan
     from topo_integrations.topology import plan_groups
 
     by_host = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))

@@ -1,4 +1,4 @@
-"""``initialize`` (the signature of ``deepspeed.initialize``) and ``install`` (DESIGN.md 5.2).
+"""``initialize`` (the signature of ``deepspeed.initialize``) and ``install`` (docs/design.md, contracts).
 
 What ``initialize`` does, in order:
   1. find the DeepSpeed config (``config``, ``config_params`` or ``args.deepspeed_config``) and read
@@ -218,7 +218,7 @@ def _attach(engine, cfg: TopoAlignConfig, groups, stage: int, island_dp: bool, d
 
         if isinstance(opt, BF16_Optimizer) and not island_dp:
             # bf16 + grad_accum_dtype fp32 at ZeRO-1: DeepSpeed reduces through the engine's
-            # buffered all-reduce (research/deepspeed.md 1.3), i.e. the ZeRO-0 seam.
+            # buffered all-reduce (docs/deepspeed.md), i.e. the ZeRO-0 seam.
             st.engine_reduces = True
         elif not isinstance(opt, DeepSpeedZeroOptimizer):
             raise UnsupportedConfigError(

@@ -1,6 +1,6 @@
 """Which DeepSpeed versions the adapter drives, and the check that refuses any other.
 
-The adapter overrides a handful of DeepSpeed methods (the "seams", research/deepspeed.md 1.5). A
+The adapter overrides a handful of DeepSpeed methods (the "seams", docs/deepspeed.md). A
 seam whose signature changed between releases would be called with the wrong arguments and could
 reduce gradients silently wrong, so before the first engine is patched every seam is looked up and
 its parameter names compared with the ones the adapter was written against. A mismatch is refused
@@ -8,7 +8,7 @@ with a message naming the method, what was expected and what was found.
 
 The CPU accelerator also JIT-compiles ``deepspeed_shm_comm`` (25-40 s) in every process that calls
 ``deepspeed.init_distributed``; the op only serves ``inference_all_reduce`` (AutoTP inference), never
-training, so :func:`skip_shm_comm_build` turns it off (research/deepspeed.md 4.1, 4.3).
+training, so :func:`skip_shm_comm_build` turns it off (docs/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ SEAMS: tuple[Seam, ...] = (
          ("self", "partition_gradients"), "ZeRO-1/2 selective overflow agreement"),
     Seam("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.update_lp_params", ("self",),
          "ZeRO-1/2 selective reconciliation"),
-    Seam("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+    Seam("deepspeed.runtime.zero.stage3",
+         "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
          ("self", "params_to_reduce", "communication_data_type"), "ZeRO-3 hierarchical reduce-scatter"),
     Seam("deepspeed.runtime.comm.coalesced_collectives", "reduce_scatter_coalesced", ("tensors", "group"),
          "ZeRO-3 hierarchical reduce-scatter"),

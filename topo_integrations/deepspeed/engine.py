@@ -2,7 +2,7 @@
 
 The engine returned by ``deepspeed.initialize`` gets a subclass of its own class with
 :class:`TopoAlignEngineMixin` first in the MRO (``engine.__class__`` swap after construction: the
-reduction, the step and the checkpoint calls all happen later, research/deepspeed.md 1.5 (b)). So a
+reduction, the step and the checkpoint calls all happen later, docs/deepspeed.md). So a
 ``DeepSpeedHybridEngine`` or any other engine class keeps its own behaviour. Every decision is the
 shared Engine's (``engine.topo_align.engine``, adapter.py); the seams map DeepSpeed's buffers onto it.
 

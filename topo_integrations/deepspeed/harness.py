@@ -5,7 +5,7 @@ Rank-side helpers only (the ranks are started by ``topo_integrations.testing.run
 configs, a training loop that records what the invariants need, and checks across ranks.
 
 Call :func:`prepare_cpu` first in every rank: it selects the CPU accelerator and skips the
-``deepspeed_shm_comm`` JIT build (research/deepspeed.md 4.3), so an engine starts in about a second.
+``deepspeed_shm_comm`` JIT build (docs/deepspeed.md), so an engine starts in about a second.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def train(engine, steps: int, *, start: int = 0, check=None) -> list[float]:
 def selective_checker(records: list):
     """A ``check`` for :func:`train`: per step, whether SYNC params are bitwise equal on all ranks,
     LOCAL params equal inside each island, everything equal after a reconciliation, and the clip
-    norm and overflow flag equal on all ranks (DESIGN.md invariants 1 and 2)."""
+    norm and overflow flag equal on all ranks (invariants 1 and 2 of docs/design.md)."""
 
     def check(engine, step):
         st = engine.topo_align

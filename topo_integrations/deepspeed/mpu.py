@@ -1,6 +1,6 @@
 """An ``mpu`` that makes DeepSpeed's data-parallel group the island (selective at ZeRO-1/2).
 
-DeepSpeed 0.19.8 reads exactly these methods (traced in research/deepspeed-selective.md 2):
+DeepSpeed 0.19.8 reads exactly these methods (traced in docs/deepspeed.md):
 ``get_data_parallel_{group,world_size,rank}`` (engine DP group = ZeRO partition group, batch
 arithmetic, sampler rank) and ``get_model_parallel_{group,world_size,rank}`` (norm / overflow
 reductions, checkpoint names). It probes ``initialize_sequence_parallel`` and the

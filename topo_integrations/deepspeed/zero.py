@@ -1,4 +1,4 @@
-"""Seams in DeepSpeed's ZeRO optimizers (research/deepspeed.md 1.3-1.5, deepspeed-selective.md 2).
+"""Seams in DeepSpeed's ZeRO optimizers (docs/deepspeed.md).
 
 Every collective and every decision goes through the shared Engine (``self.topo_align.engine``);
 these mixins only map DeepSpeed's buffers onto it.
@@ -29,7 +29,7 @@ import math
 import torch
 import torch.distributed as tdist
 
-from ..reducer.engine import ReconcileItem, _is_second_moment
+from ..reducer.reconcile import ReconcileItem, is_second_moment
 
 __all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mixin", "PartitionSource",
            "reduce_scatter_coalesced", "swap_class"]
@@ -211,7 +211,7 @@ class PartitionSource:
     partition's shape, as ``shard=True`` items (the rail partners hold the same partition);
     ``written()`` copies fp32 to bit16 and all-gathers inside the island (``update_lp_params``).
     Averaging only the bit16 parameters would be undone by the next step, which copies the masters
-    over them (research/deepspeed-selective.md)."""
+    over them (docs/deepspeed.md)."""
 
     def __init__(self, opt):
         self.opt = opt
@@ -233,7 +233,7 @@ class PartitionSource:
                 out.append(ReconcileItem(f"{i}:{name}:{a}:master", master.data.view(-1)[a:b], shard=True, param=name))
                 for k, v in moments:
                     out.append(ReconcileItem(f"{i}:{name}:{a}:{k}", v.view(-1)[a:b], shard=True,
-                                             nonneg=_is_second_moment(k), state=True))
+                                             nonneg=is_second_moment(k), state=True))
         # The drift of a tensor is agreed over all ranks with the same names everywhere
         # (reducer/drift.py): a LOCAL tensor outside this rank's partition contributes an empty slice.
         dev = opt.topo_align.engine.device
@@ -293,7 +293,8 @@ class SelectiveZeroMixin:
         e = st.engine
         names, sq = [], []
         for i, (sync, _local, per_param) in enumerate(self._topo_slices()):
-            ag = self.averaged_gradients.get(i) if isinstance(self.averaged_gradients, dict) else self.averaged_gradients[i]
+            ags = self.averaged_gradients
+            ag = ags.get(i) if isinstance(ags, dict) else ags[i]
             if ag is None:
                 flat = None
             elif hasattr(ag, "flat_partition"):
@@ -356,7 +357,7 @@ class SelectiveZeroMixin:
 
 
 def swap_class(obj, mixin, prefix: str = "TopoAlign"):
-    """Give ``obj`` a subclass of its class with ``mixin`` first in the MRO (research/deepspeed.md 1.5 (b))."""
+    """Give ``obj`` a subclass of its class with ``mixin`` first in the MRO (docs/deepspeed.md)."""
     cls = type(obj)
     if issubclass(cls, mixin):
         return obj

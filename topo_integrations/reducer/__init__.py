@@ -11,13 +11,21 @@ Layers, bottom up:
   wire.py         Wire: the engine's collectives, error-feedback residuals by key, comm device
   engine.py       Engine: the one policy behind every adapter (classes, importance, reconciliation,
                   drift, adaptive levels, state); the DeepSpeed and Megatron adapters use it too
-  adaptive.py     adaptive levels and regrouping on a degraded slow tier
+  reconcile.py    what adapters hand over for reconciliation, and how it is averaged (part of Engine)
+  adaptive.py     adaptive levels when the slow tier degrades
+  regroup.py      adaptive regrouping (candidate plans, estimates, rebuilding the groups)
   buckets.py      flat gradient buckets in reverse registration order
   reducer.py      GroupedReducer (buckets from hooks, for any nn.Module)
 """
 
-from .collectives import (CollectiveError, agree_scalar, flat_all_reduce, hierarchical_all_reduce,
-                          intra_all_reduce, reconcile_average)
+from .collectives import (
+                          CollectiveError,
+                          agree_scalar,
+                          flat_all_reduce,
+                          hierarchical_all_reduce,
+                          intra_all_reduce,
+                          reconcile_average,
+)
 from .engine import Engine, ParamReconcileSource, ReconcileItem
 from .groups import ReducerGroups, broadcast_plan, build_groups, discover_plan
 from .reducer import ConsistencyError, GroupedReducer

@@ -51,10 +51,9 @@ import torch.distributed as dist
 from ..config import AdaptiveConfig
 from .classes import SYNC
 from .collectives import run
-from .compression import wire_dtype
+from .regroup import choose_plan, regroup
 
-__all__ = ["AdaptiveController", "AdaptivePolicy", "Measurement", "LEVELS", "regroup", "choose_plan",
-           "estimate_step_comm_s"]
+__all__ = ["AdaptiveController", "AdaptivePolicy", "Measurement", "LEVELS"]
 
 log = logging.getLogger("topo_align")
 
@@ -431,75 +430,3 @@ class AdaptiveController:
                   f"{ {k: tuple(round(x, 4) for x in v) for k, v in sorted(measured.items())} })")
         regroup(r, cands[pick], optimizer, reason=reason)
         return True
-
-
-# ---------------------------------------------------------------------- adaptive regrouping
-
-def estimate_step_comm_s(plan, nbytes: float, intra_gbps: float, inter_gbps: float) -> float:
-    """Alpha-free estimate of one hierarchical all-reduce of ``nbytes`` under ``plan`` with measured
-    per-rank bus bandwidths: intra reduce-scatter + all-gather (2(L-1)/L of the bytes) plus the rail
-    all-reduce of the 1/L shard (2(K-1)/K of it). A flat plan: one ring over all ranks at the
-    slower bandwidth."""
-    if not plan.hierarchical:
-        n = plan.world_size
-        return 2 * (n - 1) / n * nbytes / (min(intra_gbps, inter_gbps) * 1e9)
-    L, K = len(plan.intra_groups[0]), len(plan.inter_groups)
-    return (2 * (L - 1) / L * nbytes / (intra_gbps * 1e9)
-            + 2 * (K - 1) / K * nbytes / L / (inter_gbps * 1e9))
-
-
-def choose_plan(candidates: dict, nbytes: float, measured: dict) -> tuple[str, dict]:
-    """The candidate (name -> Plan) with the lowest estimated time; ``measured`` maps name ->
-    ``(intra_gbps, inter_gbps)`` as probed (or derated) for that grouping. Returns the name and every
-    estimate (deterministic: ties go to the first name in sorted order)."""
-    est = {k: estimate_step_comm_s(p, nbytes, *measured[k]) for k, p in candidates.items()}
-    best = min(sorted(est), key=lambda k: est[k])
-    return best, est
-
-
-def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
-    """Rebuild the engine's groups from ``plan`` at a reconciliation boundary; every rank agrees.
-
-    Collective over the default group (every rank of the job calls it, at the same step):
-      1. blocking reconciliation (`selective`): every replica identical, nothing in flight;
-      2. DP position 0's plan is broadcast over the DP group (the one every rank uses);
-      3. ``build_groups`` on every rank, in one fixed order (same timeout as before);
-      4. ``engine.reconfigure``: new groups, mode (flat when the new plan has one tier), configured
-         classes, interval and wire; the adapter's listener rebuilds its buckets; the adaptive
-         controller re-calibrates.
-    The old groups are not destroyed (a live communicator may still be referenced by a framework).
-    Only an engine whose data-parallel group is the whole world can be regrouped here.
-    ``engine`` may be a GroupedReducer (its engine is used).
-    """
-    from .groups import broadcast_plan, build_groups
-
-    engine = getattr(engine, "engine", engine)
-    g = engine.groups
-    if len(g.dp_ranks) != dist.get_world_size():
-        raise ValueError("topo_align: regroup needs the data-parallel group to be the whole world "
-                         f"({len(g.dp_ranks)} of {dist.get_world_size()} ranks)")
-    if engine.mode == "selective":
-        engine.reconcile(engine.source)
-    plan = broadcast_plan(plan if g.position == 0 else None, g.dp_group, src=g.dp_ranks[0])
-    new = build_groups(plan, timeout_s=engine.cfg.fallback.timeout_s)
-    new.device = engine.device
-    old_desc = [list(x) for x in g.plan.intra_groups]
-    cfg = engine.cfg
-    ctrl = engine.adaptive
-    classes = dict(ctrl.saved_classes) if ctrl is not None and ctrl.saved_classes else dict(engine.classes)
-    mode = cfg.mode if plan.hierarchical else "flat"
-    if mode != "selective":
-        classes = {n: SYNC for n in classes}
-    engine.reconfigure(groups=new, mode=mode, classes=classes, reconcile_interval=cfg.local.reconcile_interval,
-                       sync_dtype=wire_dtype(cfg.sync.dtype if mode == "selective" else cfg.communication.inter_dtype))
-    if ctrl is not None:
-        fresh = AdaptiveController(engine, ctrl.cfg, levels=ctrl.allowed)
-        fresh.regroup_margin = ctrl.regroup_margin
-        fresh.regroup_source = ctrl.regroup_source
-        fresh.regroup_decisions = list(ctrl.regroup_decisions)
-        fresh.events = ctrl.events + [{"step": engine.step, "from": "groups", "to": "regrouped",
-                                       "reason": reason, "measurement": {}}]
-        engine.adaptive = fresh
-    if new.position == 0:
-        log.warning("topo_align: adaptive: step %d: regrouped from intra groups %s to %s%s", engine.step,
-                    old_desc, [list(x) for x in plan.intra_groups], f": {reason}" if reason else "")

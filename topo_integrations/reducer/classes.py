@@ -62,7 +62,8 @@ def layer_indices(names: list[str], *, model: nn.Module | None = None,
         try:
             rx = re.compile(layer_pattern)
         except re.error as exc:
-            raise ValueError(f"sync.layer_pattern = {layer_pattern!r} is not a valid regular expression: {exc}") from None
+            raise ValueError(f"sync.layer_pattern = {layer_pattern!r} is not a valid regular expression: "
+                             f"{exc}") from None
         if rx.groups != 1:
             raise ValueError(f"sync.layer_pattern = {layer_pattern!r} has {rx.groups} groups; "
                              "expected exactly one group capturing the layer index")

@@ -1,0 +1,251 @@
+"""Reconciliation of LOCAL tensors across groups: what an adapter hands over and how it is averaged.
+
+Part of the :class:`~topo_integrations.reducer.engine.Engine` (its reconciliation methods live here
+as :class:`ReconcileMixin`); an adapter describes its LOCAL tensors with :class:`ReconcileItem` and a
+:class:`ReconcileSource`. Per reconciliation (every rank calls at the same steps):
+
+  values  the LOCAL parameters (and fp32 masters): with an exact fp32 wire and no outer optimizer
+          their mean; else the mean of their change since the last reconciliation (the anchor,
+          identical on every rank) on the ``local.reconcile_dtype`` wire with error feedback, put
+          through the outer optimizer: ``target = anchor + outer(mean delta)``;
+  states  optimizer moments, fp32 means, only at every ``local.moments_interval``-th reconciliation
+          and whenever the classes may change or a checkpoint is written;
+  both split into replicated items (identical inside a group: 1/L of them crosses the slow tier
+  per rank) and shards (per-rank partitions: averaged over the rail).
+
+Asynchronous: the snapshot is averaged on the LOCAL worker while the next step runs; after the next
+optimizer step the correction ``x += target - snapshot`` is applied (second moments clamped at 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .classes import LOCAL, SYNC
+
+__all__ = ["ReconcileItem", "ReconcileSource", "ParamReconcileSource", "ReconcileMixin", "is_second_moment"]
+
+
+@dataclass
+class ReconcileItem:
+    """One tensor to average across groups at a reconciliation."""
+
+    key: str
+    """Stable identifier (same on every rank and at every reconciliation of the same classes)."""
+    tensor: torch.Tensor
+    """Written in place (a view into the framework's storage is fine)."""
+    shard: bool = False
+    """True for a partition that differs per rank inside a group (ZeRO / distributed optimizer): the
+    same partition of every group is averaged over the rail. False for a tensor that is identical
+    inside the group: each member averages 1/L of it over the rail, then the group all-gathers."""
+    param: str | None = None
+    """The parameter whose values (or a slice of them) this is; drift is measured on these."""
+    nonneg: bool = False
+    """A second moment: clamped at 0 after an asynchronous correction."""
+    state: bool = False
+    """Optimizer state (moments): averaged as values in fp32, only at every ``local.moments_interval``-th
+    reconciliation and at the blocking ones that precede a save, a class refresh or a promotion."""
+
+
+class ReconcileSource(Protocol):
+    """What an adapter gives the engine to reconcile."""
+
+    def items(self, local: list[str]) -> list[ReconcileItem]:
+        """The tensors of the LOCAL parameters ``local`` (and their optimizer state), in a fixed order."""
+
+    def written(self) -> None:
+        """Called after the items were changed (e.g. copy fp32 masters to the model, re-gather)."""
+
+
+def is_second_moment(key: str) -> bool:
+    """Whether an optimizer-state key names a second moment (exp_avg_sq, max_exp_avg_sq, Adagrad sum)."""
+    return "sq" in key or key in ("sum", "square_avg")
+
+
+class ParamReconcileSource:
+    """Parameters that are full tensors on every rank, plus the torch optimizer state of their shape."""
+
+    def __init__(self, params: dict[str, torch.Tensor], optimizer=None,
+                 masters: Callable[[], dict[str, torch.Tensor]] | None = None):
+        self.params = params
+        self.optimizer = optimizer
+        self.masters = masters
+        """name -> the fp32 tensor the optimizer steps on, when it is not the parameter itself."""
+
+    def items(self, local: list[str]) -> list[ReconcileItem]:
+        masters = self.masters() if self.masters is not None else {}
+        out = [ReconcileItem(f"param:{n}", self.params[n].data, param=n) for n in local]
+        out += [ReconcileItem(f"master:{n}", masters[n].data) for n in local if n in masters]
+        state = getattr(self.optimizer, "state", None) or {}
+        for n in local:
+            p = masters.get(n, self.params[n])
+            st = state.get(p, {})
+            for k in sorted(st):
+                v = st[k]
+                if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape:
+                    out.append(ReconcileItem(f"state:{n}:{k}", v, nonneg=is_second_moment(k), state=True))
+        return out
+
+    def written(self) -> None:
+        pass
+
+
+def _flat(items: list[ReconcileItem], device) -> torch.Tensor:
+    if not items:
+        return torch.zeros(0, device=device)
+    return torch.cat([it.tensor.detach().reshape(-1).float() for it in items]).to(device)
+
+
+def _scatter(items: list[ReconcileItem], flat: torch.Tensor, snap: torch.Tensor | None = None) -> None:
+    off = 0
+    with torch.no_grad():
+        for it in items:
+            t, n = it.tensor, it.tensor.numel()
+            seg = flat[off:off + n].view(t.shape)
+            if snap is None:
+                t.copy_(seg.to(t.dtype))
+            else:
+                t.add_((seg - snap[off:off + n].view(t.shape)).to(t.dtype))
+                if it.nonneg:
+                    t.clamp_(min=0)
+            off += n
+
+
+
+class ReconcileMixin:
+    """The Engine's reconciliation (see the module docstring); uses the Engine's cfg, wire, drift,
+    classes and workers."""
+
+    # Reconciliation, in three parts per call (every rank calls at the same steps):
+    #   values  -- the LOCAL parameters (and fp32 masters): with an exact fp32 wire and no outer
+    #              optimizer their mean; else the mean of their change since the last reconciliation
+    #              (the anchor, identical on every rank) on the `reconcile_dtype` wire with error
+    #              feedback, put through the outer optimizer: target = anchor + outer(mean delta);
+    #   states  -- optimizer moments, fp32 means, only when `_moments_due` (or forced);
+    #   both split into replicated items (identical inside a group) and shards (per-rank partitions).
+
+    def _items(self, source, local, moments: bool):
+        items = source.items(local) if source is not None and local else []
+        vals = [i for i in items if not i.state]
+        states = [i for i in items if i.state] if moments else []
+        order = lambda xs: [i for i in xs if not i.shard] + [i for i in xs if i.shard]  # noqa: E731
+        return order(vals), order(states)
+
+    def _moments_due(self, forced: bool) -> bool:
+        return forced or (self.reconciles + 1) % self.cfg.local.moments_interval == 0
+
+    def _uses_delta(self, keys: list[str]) -> bool:
+        """Delta averaging needs an anchor of the same layout (the first reconciliation of a layout
+        averages values exactly and sets it)."""
+        wants = self.reconcile_dtype != torch.float32 or self.cfg.local.outer_momentum > 0 or \
+            self.cfg.local.outer_lr != 1.0
+        return wants and self._anchor is not None and self._anchor["keys"] == keys
+
+    def _average_flat(self, flat: torch.Tensor, items: list[ReconcileItem], *, wire: torch.dtype, key: str) -> None:
+        """Phases: 1. replicated part: each member averages 1/L of it over the rail (leaf + spine
+        with three levels), the group all-gathers; 2. partition part: one rail all-reduce / K (peers
+        hold the same partition). On the LOCAL worker's communicators, in chunks of the bucket size."""
+        nr = sum(i.tensor.numel() for i in items if not i.shard)
+        self.wire.reconcile_(flat[:nr], shard=False, wire=wire, key=key)
+        self.wire.reconcile_(flat[nr:], shard=True, wire=wire, key=key)
+
+    def _outer(self, delta: torch.Tensor) -> torch.Tensor:
+        """The outer optimizer's step from the mean delta (identity with momentum 0 and lr 1)."""
+        m, lr = self.cfg.local.outer_momentum, self.cfg.local.outer_lr
+        if m > 0:
+            v = self._anchor.get("momentum")
+            v = delta.clone() if v is None else v.mul_(m).add_(delta)
+            self._anchor["momentum"] = v
+            delta = delta + m * v
+        return delta * lr if lr != 1.0 else delta
+
+    def _measure(self, items: list[ReconcileItem], before: torch.Tensor, after: torch.Tensor, step: int) -> None:
+        segs, off = [], 0
+        for it in items:
+            if it.param is not None:
+                segs.append((it.param, off, it.tensor.numel()))
+            off += it.tensor.numel()
+        self.drift.measure_segments(segs, before, after, self.wire, step)
+
+    def _launch_average(self, vals, states):
+        """Snapshot and start the averages on the LOCAL worker; returns what the correction needs."""
+        keys = [i.key for i in vals]
+        snap = _flat(vals, self.device)
+        delta = self._uses_delta(keys)
+        send = snap - self._anchor["flat"] if delta else snap.clone()
+        ssnap = _flat(states, self.device)
+        savg = ssnap.clone()
+        wire = self.reconcile_dtype if delta else torch.float32
+
+        def job():
+            self._average_flat(send, vals, wire=wire, key="reconcile")
+            if states:
+                self._average_flat(savg, states, wire=torch.float32, key="moments")
+
+        fut = self.submit(LOCAL, job)
+        return {"keys": keys, "skeys": [i.key for i in states], "snap": snap, "avg": send, "delta": delta,
+                "ssnap": ssnap, "savg": savg, "future": fut}
+
+    def _finish_average(self, p) -> torch.Tensor:
+        """The reconciled values (identical on every rank) from a finished average; updates the anchor."""
+        if p["delta"]:
+            target = self._anchor["flat"] + self._outer(p["avg"])
+        else:
+            target = p["avg"]
+            if self._anchor is None or self._anchor["keys"] != p["keys"]:
+                self._anchor = {"keys": list(p["keys"]), "flat": None, "momentum": None}
+        self._anchor["flat"] = target.clone()
+        return target
+
+    def _reconcile_blocking(self, source, *, moments: bool = False) -> None:
+        vals, states = self._items(source, self.local_names(), self._moments_due(moments))
+        if vals or states:
+            p = self._launch_average(vals, states)
+            self.wait(p["future"])
+            target = self._finish_average(p)
+            _scatter(vals, target)
+            _scatter(states, p["savg"])
+            source.written()
+            self._measure(vals, p["snap"], target, self.step)
+        self.all_synced = True
+        self.reconciles += 1
+        # Every replica is identical now: the only moment a LOCAL tensor may become SYNC.
+        promoted = self.drift.promotions(self.classes, self.numels)
+        if promoted:
+            self.reconfigure(classes={n: (SYNC if n in promoted else c) for n, c in self.classes.items()})
+
+    def _reconcile_async(self, source) -> None:
+        local = self.local_names()
+        vals, states = self._items(source, local, self._moments_due(False))
+        if not (vals or states):
+            self.all_synced = True
+            return
+        p = self._launch_average(vals, states)
+        p.update(local=local, step=self.step, moments=bool(states))
+        self._pending = p
+        self.reconciles += 1
+
+    def _apply_pending(self, source) -> None:
+        p, self._pending = self._pending, None
+        if p.get("future") is not None:
+            self.wait(p["future"])
+        vals, states = self._items(source, p["local"], p["moments"])
+        if [i.key for i in vals] != p["keys"] or [i.key for i in states] != p["skeys"]:
+            raise RuntimeError("topo_align: the tensors to reconcile changed between the snapshot and the "
+                               "correction (optimizer state created or dropped?)")
+        target = self._finish_average(p)
+        _scatter(vals, target, snap=p["snap"])
+        _scatter(states, p["savg"], snap=p["ssnap"])
+        source.written()
+        self._measure(vals, p["snap"], target, p["step"])
+        self.max_staleness = max(self.max_staleness, self.step - p["step"])
+
+    def drain(self) -> None:
+        """Wait for an in-flight asynchronous average (no new collective); keeps the correction."""
+        p = self._pending
+        if p is not None and p.get("future") is not None:
+            self.wait(p["future"])
+            p["future"] = None
