@@ -52,7 +52,7 @@ TASKS = {
 def grid(kind: str) -> list[tuple[str, str, dict]]:
     """(run name, mode, config overrides) of a grid. `full`: one factor at a time around the defaults."""
     runs = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("selective-default", "selective", {})]
-    if kind in ("deep", "deep-key"):
+    if kind in ("deep", "deep-key", "deep-bf16", "deep-final"):
         return deep_grid(kind)
     if kind == "probe":
         return [runs[0], runs[2]]
@@ -101,8 +101,14 @@ def deep_grid(kind: str = "deep") -> list[tuple[str, str, dict]]:
         ("H=1, delta bf16, moments/8", "selective",
          {**DELTA, "local.reconcile_interval": 1, "local.moments_interval": 8}),
     ]
+    chosen = ("H=2, delta bf16, moments/4, local bf16", "selective",
+              {**DELTA, "local.reconcile_interval": 2, "local.moments_interval": 4, "local.dtype": "bf16"})
     if kind == "deep-key":
         return key + candidates
+    if kind == "deep-bf16":  # the LOCAL wire: bf16 keeps each element's exponent, the FP16 grid a bucket's
+        return [chosen, ("local.dtype=bf16", "selective", {"local.dtype": "bf16"})]
+    if kind == "deep-final":
+        return [key[0], chosen]
     return candidates + [
         ("local.dtype=fp32", "selective", {"local.dtype": "fp32"}),
         ("last_n_layers=8", "selective", {"sync.last_n_layers": 8}),
@@ -460,7 +466,8 @@ def report(results: list[dict], img_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
-    ap.add_argument("--grid", default="full", choices=["full", "key", "ci", "deep", "deep-key", "probe"])
+    ap.add_argument("--grid", default="full",
+                    choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "probe"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")
