@@ -382,9 +382,12 @@ def run_grid(task_name: str, seed: int, runs: list, *, steps: int | None = None,
 
 # ---------------------------------------------------------------------------- report
 
+LOSS_TASKS = ("gpt", "gpt16")
+
+
 def rel_gap(task: str, run: float, ref: float) -> float:
-    """Quality loss vs flat: relative loss increase (gpt) or accuracy drop in points (digits)."""
-    return (run - ref) / ref * 100 if task == "gpt" else (ref - run) * 100
+    """Quality loss vs flat: relative loss increase (gpt, gpt16) or accuracy drop in points (digits)."""
+    return (run - ref) / ref * 100 if task in LOSS_TASKS else (ref - run) * 100
 
 
 def report(results: list[dict], img_dir: Path) -> str:
@@ -397,22 +400,23 @@ def report(results: list[dict], img_dir: Path) -> str:
 
     img_dir.mkdir(parents=True, exist_ok=True)
     lines = []
-    for task in ("gpt", "digits"):
+    for task in ("gpt", "gpt16", "digits"):
         rs = [r for r in results if r["task"] == task]
         if not rs:
             continue
         seeds = sorted({r["seed"] for r in rs})
         names = list(dict.fromkeys(r["name"] for r in rs))
-        unit = "val loss" if task == "gpt" else "accuracy %"
-        gap = "loss vs flat, %" if task == "gpt" else "accuracy drop vs flat, points"
+        unit = "val loss" if task in LOSS_TASKS else "accuracy %"
+        gap = "loss vs flat, %" if task in LOSS_TASKS else "accuracy drop vs flat, points"
         lines += [f"### {task}", "", f"| run | {unit} (per seed) | mean | {gap} | SYNC share | slow-tier payload/step |"
                   " max drift | wall s |", "|---|---|---|---|---|---|---|---|"]
         ref = {s: next(r["final"] for r in rs if r["name"] == "flat" and r["seed"] == s) for s in seeds
                if any(r["name"] == "flat" and r["seed"] == s for r in rs)}
         for n in names:
             rr = [r for r in rs if r["name"] == n]
-            scale = 1 if task == "gpt" else 100
-            vals = ", ".join(f"{r['final'] * scale:.4f}" if task == "gpt" else f"{r['final'] * scale:.2f}" for r in rr)
+            scale = 1 if task in LOSS_TASKS else 100
+            digits = 4 if task in LOSS_TASKS else 2
+            vals = ", ".join(f"{r['final'] * scale:.{digits}f}" for r in rr)
             mean = statistics.mean(r["final"] for r in rr) * scale
             gaps = [rel_gap(task, r["final"], ref[r["seed"]]) for r in rr if r["seed"] in ref]
             g = f"{statistics.mean(gaps):+.2f}" + (f" (±{(max(gaps) - min(gaps)) / 2:.2f})" if len(gaps) > 1 else "")
@@ -422,7 +426,7 @@ def report(results: list[dict], img_dir: Path) -> str:
             hist = r0["drift"]["history"]
             drift = max(h[1] for h in hist) if hist else None
             lines.append(
-                f"| {n} | {vals} | {mean:.{4 if task == 'gpt' else 2}f} | {g} | {share:.2f} "
+                f"| {n} | {vals} | {mean:.{4 if task in LOSS_TASKS else 2}f} | {g} | {share:.2f} "
                 f"| {r0['inter_bytes'] / steps / 1024:.1f} KiB"
                 f" | {'' if drift is None else f'{drift:.2e}'} | {statistics.mean(r['wall_s'] for r in rr):.0f} |"
             )
@@ -444,13 +448,13 @@ def report(results: list[dict], img_dir: Path) -> str:
                 if not rr:
                     continue
                 xs, ys = zip(*rr[0]["curve"])
-                ys = [y * (1 if task == "gpt" else 100) for y in ys]
+                ys = [y * (1 if task in LOSS_TASKS else 100) for y in ys]
                 ax.plot(xs, ys, label=n, lw=1.4 if n != "flat" else 2.4, alpha=0.9)
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("optimizer step")
             ax.set_ylabel(unit)
             ax.legend(fontsize=6)
-            if task == "gpt":
+            if task in LOSS_TASKS:
                 ax.set_ylim(top=min(ax.get_ylim()[1], 3.5))
             else:
                 ax.set_ylim(bottom=max(ax.get_ylim()[0], 80))
