@@ -180,6 +180,7 @@ REFUSED = [
 
 ACCEPTED = [
     ({}, dict(use_distributed_optimizer=True, pipeline_parallel_size=4)),  # defaults never trip a refusal
+    (TopoAlignConfig().model_dump(mode="json"), dict(use_distributed_optimizer=True)),  # nor spelled-out defaults
     ({"communication": {"overlap": True}}, dict(overlap_grad_reduce=True)),  # agrees with Megatron's setting
     ({"mode": "selective", "local": {"dtype": "bf16"}}, dict()),  # plain DDP applies local.dtype
     ({"mode": "hierarchical", "local": {"dtype": "bf16"}}, dict(use_distributed_optimizer=True)),  # unused there

@@ -82,6 +82,8 @@ class MegatronReconcileSource:
             for model_p, main_p in main_param_pairs(sub):
                 if model_p in names and main_p is not None and main_p.numel():
                     self._pairs[names[model_p]] = (main_p, sub)
+        self._empty = torch.zeros(0, device=bucket_groups[0].buckets[0].grad_data.device) if bucket_groups \
+            else torch.zeros(0)
         self._subs = []
         for _, sub in self._pairs.values():
             if all(sub is not s for s in self._subs):
@@ -93,7 +95,10 @@ class MegatronReconcileSource:
         out = []
         for name in local:
             if name not in self._pairs:
-                continue  # distributed optimizer: no element of this parameter in my shard
+                # Distributed optimizer: no element of this parameter in my shard. An empty item still
+                # names it, so every rank measures drift over the same names (one agreed vector).
+                out.append(ReconcileItem(f"main:{name}", self._empty, shard=True, param=name))
+                continue
             main_p, sub = self._pairs[name]
             shard = is_distopt(sub)
             out.append(ReconcileItem(f"main:{name}", main_p.data, shard=shard, param=name))

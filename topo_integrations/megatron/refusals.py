@@ -2,8 +2,8 @@
 
 Every key of the block either works in `TopoAlignDDP` (docs/megatron.md, "Keys") or is listed here
 with why and what to use instead. A key is refused only when the user set it
-(`TopoAlignConfig.explicit_keys`) and the setting conflicts with what Megatron owns, so the schema
-defaults never trip a refusal. The messages name the key, the value, the adapter and the
+(`TopoAlignConfig.explicit_keys`) to a value other than its default and the setting conflicts with
+what Megatron owns, so the schema defaults never trip a refusal. The messages name the key, the value, the adapter and the
 replacement; tests/test_megatron_unit.py checks them word for word.
 
 Megatron settings that the plugin cannot combine with a mode (not ``topo_align`` keys) are checked
@@ -92,8 +92,13 @@ def _flag(key: str) -> str:
 
 
 def check_config(cfg: TopoAlignConfig, side: MegatronSide) -> None:
-    """Raise :class:`TopoAlignDDPError` for the first key of `REFUSALS` this config trips."""
-    explicit = cfg.explicit_keys()
+    """Raise :class:`TopoAlignDDPError` for the first key of `REFUSALS` this config trips.
+
+    A key counts as set when the user gave it a value other than the schema default: a block that
+    spells out every default (e.g. a dumped config) behaves as one that leaves them out.
+    """
+    defaults = TopoAlignConfig()
+    explicit = {k for k in cfg.explicit_keys() if _get(cfg, k) != _get(defaults, k)}
     for r in REFUSALS:
         if (r.key in explicit or not r.explicit_only) and r.applies(cfg, side):
             raise TopoAlignDDPError(f"topo_align: {r.key} = {_get(cfg, r.key)!r}{_flag(r.key)} is not supported by "
