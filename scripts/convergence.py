@@ -45,16 +45,21 @@ TASKS = {
     # steps: enough for the curves to flatten on 2 CPU cores (see docs/convergence.md).
     "gpt": {"steps": 100, "eval_every": 10, "lr": 3e-3, "warmup": 20, "micro_batch": 8},
     "digits": {"steps": 200, "eval_every": 20, "lr": 2e-3, "warmup": 10, "micro_batch": 16},
+    "gpt16": {"steps": 400, "eval_every": 50, "lr": 3e-3, "warmup": 20, "micro_batch": 8},
 }
 
 
 def grid(kind: str) -> list[tuple[str, str, dict]]:
     """(run name, mode, config overrides) of a grid. `full`: one factor at a time around the defaults."""
     runs = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("selective-default", "selective", {})]
+    if kind == "deep":
+        return deep_grid()
+    if kind == "probe":
+        return [runs[0], runs[2]]
     if kind in ("key", "ci"):
         return runs if kind == "key" else [runs[0], runs[2]]
     if kind != "full":
-        raise ValueError(f"--grid {kind!r}; expected 'full', 'key' or 'ci'")
+        raise ValueError(f"--grid {kind!r}; expected 'full', 'key', 'ci', 'deep' or 'probe'")
     for v in (0.0, 0.05, 0.5):
         runs.append((f"top_fraction={v}", "selective", {"sync.top_fraction": v}))
     for v in (0, 2):
@@ -74,6 +79,28 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
     return runs
 
 
+LOCAL_SGD = {"sync.top_fraction": 0.0, "sync.last_n_layers": 0, "sync.always_sync": []}
+
+
+def deep_grid() -> list[tuple[str, str, dict]]:
+    """The choices issue #15 asks evidence for, on the deep GPT: which tensors stay SYNC, the reconcile
+    interval, delta reconciliation on a bf16 wire with and without an outer momentum, moments cadence,
+    drift promotion; plus plain local SGD (nothing SYNC) as the floor."""
+    return [
+        ("flat", "flat", {}),
+        ("selective-default", "selective", {}),
+        ("local-sgd H=4", "selective", dict(LOCAL_SGD)),
+        ("H=2", "selective", {"local.reconcile_interval": 2}),
+        ("local.dtype=fp32", "selective", {"local.dtype": "fp32"}),
+        ("delta bf16", "selective", {"local.reconcile_dtype": "bf16"}),
+        ("delta bf16, moments every 4th", "selective", {"local.reconcile_dtype": "bf16", "local.moments_interval": 4}),
+        ("delta bf16, outer momentum 0.5", "selective", {"local.reconcile_dtype": "bf16", "local.outer_momentum": 0.5}),
+        ("last_n_layers=8", "selective", {"sync.last_n_layers": 8}),
+        ("top_fraction=0.3", "selective", {"sync.top_fraction": 0.3}),
+        ("promote_drift=0.15", "selective", {"local.promote_drift_fraction": 0.15}),
+    ]
+
+
 def make_cfg(mode: str, overrides: dict):
     from topo_integrations.config import TopoAlignConfig
 
@@ -90,12 +117,12 @@ class GPTTask:
 
     name, metric, higher_is_better = "gpt", "val_loss", False
 
-    def __init__(self, seed: int, corpus_bytes: int = 1 << 19, val_seqs: int = 64):
+    def __init__(self, seed: int, corpus_bytes: int = 1 << 19, val_seqs: int = 64, num_layers: int = 8):
         import torch
         from topo_integrations.train.data import ByteTokenizer, collect_stdlib_corpus
         from topo_integrations.train.model import GPTConfig
 
-        self.cfg = GPTConfig(num_layers=8, hidden=64, heads=4, seq_length=64)
+        self.cfg = GPTConfig(num_layers=num_layers, hidden=64, heads=4, seq_length=64)
         docs = collect_stdlib_corpus(max_bytes=corpus_bytes)
         eod = ByteTokenizer.eod
         ids: list[int] = []
@@ -214,8 +241,18 @@ class DigitsTask:
         return {"sum": float(correct), "n": len(y)}
 
 
+class DeepGPTTask(GPTTask):
+    """The same corpus and metric with a deeper, thinner GPT (16 layers x 64): last 5 layers + 15 %
+    is about a quarter of the elements, so most of the model is LOCAL (issue #15's quality case)."""
+
+    name = "gpt16"
+
+    def __init__(self, seed: int):
+        super().__init__(seed, num_layers=16)
+
+
 def make_task(name: str, seed: int):
-    return {"gpt": GPTTask, "digits": DigitsTask}[name](seed)
+    return {"gpt": GPTTask, "gpt16": DeepGPTTask, "digits": DigitsTask}[name](seed)
 
 
 # ---------------------------------------------------------------------------- one run on every rank
@@ -403,7 +440,7 @@ def report(results: list[dict], img_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
-    ap.add_argument("--grid", default="full", choices=["full", "key", "ci"])
+    ap.add_argument("--grid", default="full", choices=["full", "key", "ci", "deep", "probe"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")

@@ -128,8 +128,9 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     # 7. fp16 inter wire: error feedback over 50 steps (gradients with a persistent part + noise).
     n = 4096
     base = torch.randn(n, generator=gen) * torch.logspace(-2, 0, n)[torch.randperm(n, generator=gen)]
-    shard = -(-n // g.intra_size)
-    res = torch.zeros(shard)
+    from topo_integrations.reducer.collectives import rail_numel
+
+    res = torch.zeros(rail_numel(-(-n // g.intra_size), g))  # the slow-tier payload (spine chunk: 3 levels)
     s_ef = torch.zeros(n, dtype=torch.float64)
     s_no = torch.zeros(n, dtype=torch.float64)
     s_ex = torch.zeros(n, dtype=torch.float64)
@@ -151,7 +152,7 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     # 8. fp16 wire cannot overflow: values near fp16's max on every rank.
     x = torch.full((257,), 6.0e4) * (1 + 0.01 * torch.rand(257, generator=gen))
     exact = torch.stack(_gather_all(x.double())).mean(0)
-    y = hierarchical_all_reduce(x.clone(), g, inter_dtype=torch.float16, residual=torch.zeros(-(-257 // g.intra_size)))
+    y = hierarchical_all_reduce(x.clone(), g, inter_dtype=torch.float16, residual=torch.zeros(rail_numel(-(-257 // g.intra_size), g)))
     out["fp16_big_finite"] = bool(torch.isfinite(y).all())
     out["fp16_big_rel"] = _rel(y, exact)
     y = intra_all_reduce(x.clone(), g, wire_dtype=torch.float16)

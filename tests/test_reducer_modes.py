@@ -268,13 +268,45 @@ def s_async(rank, world, groups):
             "moments_same": same_on(list(range(world)), moments)}
 
 
+def s_delta_reconcile(rank, world, groups):
+    """reconcile_dtype bf16 (deltas with error feedback), moments every 2nd reconciliation and an outer
+    Nesterov step, against fp32 value averaging: invariants on every step, every parameter and moment
+    identical after reconcile(), and the reconciliation bytes on the slow tier."""
+    from topo_integrations.reducer import GroupedReducer
+
+    out = {}
+    for name, kw in (("fp32", {}), ("bf16", {"local__reconcile_dtype": "bf16", "local__moments_interval": 2,
+                                            "local__outer_momentum": 0.5})):
+        model = make(12)
+        cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1, local__reconcile_interval=2,
+                     local__async_reconcile=True, importance__refresh_interval=1000, **kw)
+        red = GroupedReducer(model, cfg, groups=groups)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        # drain after each step: an asynchronous average's bytes are booked when its collectives ran
+        train(model, red, opt, rank, 0, 12, verify=True, on_step=lambda s, ph: ph == "after" and red.engine.drain())
+        before = red.stats()["total"]["bytes"]["inter"]["reconcile"]
+        red.reconcile(opt)
+        moments = torch.cat([opt.state[p][k].reshape(-1) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")])
+        out[name] = {"bytes": before, "same": same_on(list(range(world)), flat_params(model)),
+                     "moments_same": same_on(list(range(world)), moments), "staleness": red.max_staleness,
+                     "reconciles": red.engine.reconciles, "finite": bool(torch.isfinite(flat_params(model)).all())}
+        red.close()
+    return out
+
+
 def s_state_round_trip(rank, world, groups):
     """Stop after step k (async reconcile in flight), restore into fresh objects, continue: bitwise
-    equal to the uninterrupted run."""
+    equal to the uninterrupted run; also with delta reconciliation (anchor, outer momentum, residuals)."""
+    return {"values": _round_trip(rank, groups, {}),
+            "delta": _round_trip(rank, groups, {"local__reconcile_dtype": "bf16", "local__moments_interval": 2,
+                                                "local__outer_momentum": 0.5})}
+
+
+def _round_trip(rank, groups, extra):
     from topo_integrations.reducer import GroupedReducer
 
     cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.15, local__reconcile_interval=3,
-                 local__async_reconcile=True, importance__refresh_interval=6, importance__ema_decay=0.5)
+                 local__async_reconcile=True, importance__refresh_interval=6, importance__ema_decay=0.5, **extra)
     total, k = 14, 9
 
     def fresh():
@@ -429,7 +461,8 @@ def _rank_main(rank, world):
     res = {"seconds": {}}
     for name, fn in (("grads", s_grads_match_reference), ("selective", s_selective_invariants),
                      ("tf1", s_top_fraction_one_equals_hierarchical), ("fp16bytes", s_fp16_wire_bytes),
-                     ("async", s_async), ("state", s_state_round_trip), ("importance", s_importance),
+                     ("async", s_async), ("delta", s_delta_reconcile), ("state", s_state_round_trip),
+                     ("importance", s_importance),
                      ("agree", s_agreement)):
         t0 = time.perf_counter()
         res[name] = fn(rank, world, groups)
@@ -508,8 +541,23 @@ def test_async_reconcile_staleness_and_final_identity(world):
 @pytest.mark.timeout(300)
 def test_state_round_trip_bitwise(world):
     for res in world:
-        assert res["state"]["had_pending"]
-        assert res["state"]["bitwise"]
+        for variant in ("values", "delta"):
+            assert res["state"][variant]["had_pending"], variant
+            assert res["state"][variant]["bitwise"], variant
+
+
+@pytest.mark.timeout(300)
+def test_delta_reconciliation_bf16_moments_interval_outer_momentum(world):
+    """6 reconciliations in 12 steps (H = 2, asynchronous). fp32: values + both Adam moments every time
+    (3 units of LOCAL parameter bytes each). bf16 deltas: the first one averages values in fp32 (no
+    anchor yet, 1 unit), then deltas at 0.5 units; moments (2 units) at every 2nd: 1 + 5 * 0.5 + 3 * 2 =
+    9.5 of 18 units. The explicit reconcile() makes parameters and moments identical everywhere."""
+    for res in world:
+        f, b = res["delta"]["fp32"], res["delta"]["bf16"]
+        for r in (f, b):
+            assert r["same"] and r["moments_same"] and r["finite"]
+            assert r["staleness"] == 1 and r["reconciles"] == 7
+        assert b["bytes"] == pytest.approx(f["bytes"] * 9.5 / 18, rel=0.02), (b["bytes"], f["bytes"])
 
 
 @pytest.mark.timeout(300)

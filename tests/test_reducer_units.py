@@ -135,3 +135,42 @@ def test_buckets_reverse_order_size_and_padding():
     assert [b.names for b in bk[SYNC]] == [["d"], ["c"], ["b", "a"]]  # reverse order; c alone (too big)
     assert [b.buffer.numel() for b in bk[SYNC]] == [4, 100, 12]
     assert bk[LOCAL][0].buffer.dtype == torch.float64 and bk[SYNC][0].buffer.dtype == torch.float32
+
+
+def test_sync_groups_get_high_priority_nccl_streams(monkeypatch):
+    """SYNC communicators are created with is_high_priority_stream on NCCL; LOCAL ones and gloo not.
+    (The CPU build of torch has no ProcessGroupNCCL: a stand-in Options class isolates the choice.)"""
+    import torch.distributed as dist
+
+    from topo_integrations.reducer.groups import SYNC_KINDS, group_options
+
+    class Options:
+        is_high_priority_stream = False
+
+    class FakeNCCL:
+        pass
+
+    FakeNCCL.Options = Options
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    assert SYNC_KINDS == ("intra", "inter", "leaf_rail", "spine_rail")
+    for kind in SYNC_KINDS:
+        assert group_options(kind, "nccl").is_high_priority_stream is True
+        assert group_options(kind, "gloo") is None
+    for kind in ("intra_low", "inter_low", "leaf_rail_low", "spine_rail_low"):
+        assert group_options(kind, "nccl") is None
+
+
+def test_collectives_refuse_a_tensor_off_the_comm_device():
+    """Every collective checks the communication device before touching the network."""
+    from topo_integrations.reducer.collectives import agree_scalar, hierarchical_all_reduce
+    from topo_integrations.reducer.groups import ReducerGroups, gather_hostnames_topology
+    from topo_integrations.topology import plan_groups
+
+    plan = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))
+    g = ReducerGroups(plan=plan, dp_ranks=(0, 1, 2, 3), dp_group=None, position=0, intra=None, inter=None,
+                      intra_low=None, inter_low=None, intra_size=2, inter_size=2, device=torch.device("meta"))
+    with pytest.raises(ValueError, match=r"hierarchical_all_reduce was given a tensor on cpu; the communication "
+                                          r"device of these groups is meta"):
+        hierarchical_all_reduce(torch.ones(4), g)
+    with pytest.raises(ValueError, match=r"agree_scalar\(sum\) was given a tensor on cpu"):
+        agree_scalar(torch.ones(1), g)

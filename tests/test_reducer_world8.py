@@ -39,6 +39,7 @@ def _rank_main(rank, world):
         res[name]["sel_inter_bytes"] = red.stats()["total"]["bytes"]["inter"]
         red.close()
         dist.barrier()
+    res["leaf3"] = _three_level(rank, world)
     os.environ[HOSTNAME_ENV] = UNEQUAL[rank]
     try:
         discover_plan(cfg)
@@ -46,6 +47,40 @@ def _rank_main(rank, world):
     except PlanError as exc:
         res["unequal"] = str(exc)
     return res
+
+
+LEAF8 = os.path.join(os.path.dirname(__file__), "..", "configs", "topologies", "virtual-2leaf-8.json")
+
+
+def _three_level(rank, world):
+    """topology.middle_level on 2 leaves x 2 islands x 2 ranks: every collective through island,
+    leaf rail and spine rail; exactness, bytes per tier, and a selective run with invariant 1."""
+    from topo_integrations.reducer import GroupedReducer, build_groups, discover_plan
+    from topo_integrations.reducer.collectives import hierarchical_all_reduce
+    from topo_integrations.reducer.stats import Stats
+
+    cfg = cfg_of(topology__source="file", topology__file=LEAF8, topology__middle_level=True)
+    g = build_groups(discover_plan(cfg), timeout_s=60)
+    out = collective_checks(g, 17, ef_steps=50)
+    out.update(three_level=g.three_level, leaf_rail_size=g.leaf_rail_size, spine_rail_size=g.spine_rail_size)
+    # bytes per tier of one fp32 hierarchical all-reduce of n elements (payload bytes per rank)
+    st = Stats()
+    n = 4000
+    hierarchical_all_reduce(torch.ones(n), g, record=st.recorder("sync"))
+    tot = st.as_dict()["total"]["bytes"]
+    out["bytes"] = {t: tot[t]["sync"] for t in ("intra", "leaf", "inter")}
+    model = make(13)
+    red = GroupedReducer(model, cfg_of(topology__source="file", topology__file=LEAF8, topology__middle_level=True,
+                                       sync__last_n_layers=1, sync__top_fraction=0.1, local__reconcile_interval=3,
+                                       local__async_reconcile=True), groups=g)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, red, opt, rank, 0, 8, verify=True)
+    red.reconcile(opt)
+    out["sel_all_same_after_reconcile"] = same_on(list(range(world)), flat_params(model))
+    out["sel_bytes"] = red.stats()["total"]["bytes"]
+    red.close()
+    dist.barrier()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +116,19 @@ def test_unequal_8_refused(world8):
         want = str(exc)
     assert want and "1 x 4, 2 x 2" in want
     assert all(res["unequal"] == want for res in world8)
+
+
+@pytest.mark.timeout(300)
+def test_three_level_reduction_exact_and_bytes_per_tier(world8):
+    """middle_level: island RS -> leaf-rail RS -> spine AR -> leaf-rail AG -> island AG, equal to a
+    flat all-reduce (<= 1e-6), and the spine carries 1/M of the two-level rail payload."""
+    results = [res["leaf3"] for res in world8]
+    for c in results:
+        assert c["three_level"] and (c["intra_size"], c["leaf_rail_size"], c["spine_rail_size"]) == (2, 2, 2)
+    assert_collectives(results)
+    n, L, M = 4000, 2, 2
+    for c in results:
+        # payload bytes per rank: island RS + AG of n, leaf RS + AG of n/L, spine all-reduce of n/(L*M)
+        assert c["bytes"] == {"intra": 2 * 4 * n, "leaf": 2 * 4 * n // L, "inter": 4 * n // (L * M)}
+        assert c["sel_all_same_after_reconcile"]
+        assert c["sel_bytes"]["leaf"]["sync"] > 0 and c["sel_bytes"]["inter"]["reconcile"] > 0

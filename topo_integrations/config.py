@@ -119,6 +119,25 @@ class LocalConfig(_Section):
     """Start the reconciliation without blocking and apply it as a correction one interval later
     (staleness bounded by one interval)."""
 
+    reconcile_dtype: Dtype = "fp32"
+    """Wire dtype of a reconciliation across groups. `fp32` averages the values exactly; `bf16` /
+    `fp16` average the change since the last reconciliation (the delta: small numbers, so a 16-bit
+    wire with error feedback loses little) and add it to the last reconciled value, halving the
+    bytes on the slow tier."""
+
+    moments_interval: int = Field(default=1, ge=1, le=1_000_000)
+    """Optimizer moments of LOCAL tensors (Adam's exp_avg / exp_avg_sq) are averaged at every this
+    many-th reconciliation (1 = every one), and always before a checkpoint, a class refresh and a
+    drift promotion; in between only the parameters are averaged (a third of the bytes with Adam)."""
+
+    outer_momentum: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Nesterov momentum of an outer optimizer on the averaged delta (as in DiLoCo): the
+    reconciled value becomes ``anchor + outer_lr * (delta + m * v)`` with ``v = m * v + delta``.
+    0 (default) is plain averaging."""
+
+    outer_lr: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Step size of the outer optimizer (1 with outer_momentum 0 is plain averaging)."""
+
     promote_drift_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     """Drift-driven promotion: after a blocking reconciliation, the LOCAL tensors whose replicas had
     drifted apart most (relative norm, see `reducer/drift.py`) become SYNC for good, largest drift

@@ -24,7 +24,8 @@ from .compression import wire_dtype as _as_dtype
 from .groups import ReducerGroups
 
 __all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
-           "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device"]
+           "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device",
+           "rail_all_reduce", "rail_numel"]
 
 Record = Callable[[str, int, float], None] | None
 
@@ -33,8 +34,10 @@ class CollectiveError(RuntimeError):
     """A collective of the reducer failed or timed out; the message names op, group and ranks."""
 
 
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics).
+# torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor in favour of
+# all_gather_single and reduce_scatter_single (same semantics).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def padded_numel(n: int, k: int) -> int:
@@ -167,6 +170,45 @@ def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, recor
     return x
 
 
+def rail_numel(n: int, groups: ReducerGroups) -> int:
+    """Elements of the slow-tier payload (and of its error-feedback residual) when this rank sends
+    ``n`` elements across groups: ``n``, or ``ceil(n / M)`` after the leaf-rail reduce-scatter."""
+    return -(-n // groups.leaf_rail_size) if groups.three_level else n
+
+
+def rail_all_reduce(x: torch.Tensor, groups: ReducerGroups, *, wire: torch.dtype = torch.float32,
+                    residual: torch.Tensor | None = None, low_priority: bool = False,
+                    record: Record = None) -> torch.Tensor:
+    """SUM of ``x`` over my rail (the same chunk of every island), in place; ``x`` flat, contiguous.
+
+    Two levels (the plan's rails): one all-reduce over the rail in ``wire`` (lossy: FP16 grid /
+    cast with error feedback into ``residual``, shape ``x``).
+    Three levels (``topology.middle_level``, `ReducerGroups.three_level`):
+      1. reduce-scatter SUM over my leaf rail (M members, fp32, fast leaf tier): chunk ``ceil(n/M)``;
+      2. all-reduce SUM of the chunk over my spine rail in ``wire`` (residual: the chunk's shape);
+      3. all-gather of the chunks over the leaf rail.
+    The spine then carries 1/M of what one rail all-reduce would.
+    """
+    if not groups.three_level:
+        inter = groups.inter_low if low_priority else groups.inter
+        return hop(x, wire, residual, inter, "inter", groups, record, groups.inter_size)
+    leaf = groups.leaf_rail_low if low_priority else groups.leaf_rail
+    spine = groups.spine_rail_low if low_priority else groups.spine_rail
+    M = groups.leaf_rail_size
+    buf = _padded(x, M)
+    sub = torch.empty(buf.numel() // M, dtype=buf.dtype, device=buf.device)
+    run("reduce_scatter", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
+        lambda: _reduce_scatter(sub, buf, group=leaf))
+    if residual is not None and residual.numel() != sub.numel():
+        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the spine chunk has {sub.numel()}")
+    hop(sub, wire, residual, spine, "inter", groups, record, groups.spine_rail_size)
+    run("all_gather", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
+        lambda: _all_gather(buf, sub, group=leaf))
+    if buf.data_ptr() != x.data_ptr():
+        x.reshape(-1).copy_(buf[: x.numel()])
+    return x
+
+
 def _check(t: torch.Tensor, what: str, groups: ReducerGroups | None = None) -> None:
     if groups is not None:
         check_device(t, groups, what)
@@ -194,8 +236,9 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
     Phases:
       1. reduce-scatter SUM inside the intra group (``t`` padded to a multiple of L = intra size);
       2. all-reduce SUM of my shard over the inter group (the rail) in ``inter_dtype``; when that
-         is lossy, FP16-safe scaling and error feedback into ``residual`` (shape = the shard,
-         ``ceil(numel / L)`` elements, fp32);
+         is lossy, FP16-safe scaling and error feedback into ``residual`` (fp32, ``rail_numel`` of
+         the shard); with ``topology.middle_level`` this is `rail_all_reduce`'s leaf reduce-scatter,
+         spine all-reduce and leaf all-gather;
       3. divide the shard by L*K when averaging; all-gather the shards inside the intra group.
     Works for any float dtype; ``t`` must be contiguous.
     """
@@ -203,17 +246,17 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
     inter_dtype = _as_dtype(inter_dtype)
     L, K = groups.intra_size, groups.inter_size
     intra = groups.intra_low if low_priority else groups.intra
-    inter = groups.inter_low if low_priority else groups.inter
     buf = _padded(t, L)
     if L > 1:
         shard = torch.empty(buf.numel() // L, dtype=buf.dtype, device=buf.device)
         run("reduce_scatter", "intra", intra, groups, buf.numel() * buf.element_size(), record,
-             lambda: dist.reduce_scatter_tensor(shard, buf, group=intra))
+             lambda: _reduce_scatter(shard, buf, group=intra))
     else:
         shard = buf
-    if residual is not None and residual.numel() != shard.numel():
-        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the shard has {shard.numel()}")
-    hop(shard, inter_dtype, residual, inter, "inter", groups, record, K)
+    if residual is not None and residual.numel() != rail_numel(shard.numel(), groups):
+        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the rail payload has "
+                         f"{rail_numel(shard.numel(), groups)}")
+    rail_all_reduce(shard, groups, wire=inter_dtype, residual=residual, low_priority=low_priority, record=record)
     if average and L * K > 1:
         shard.div_(L * K)
     if L > 1:
@@ -245,11 +288,13 @@ def intra_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, wire_dtype: torc
 
 
 def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: bool = True,
+                      wire: torch.dtype | None = None, residual: torch.Tensor | None = None,
                       record: Record = None) -> torch.Tensor:
     """Average across groups a tensor that is identical inside each group.
 
     Phases: 1. each rank takes its 1/L slice (``t`` padded to a multiple of L);
-            2. all-reduce SUM of the slice over the inter group, divide by K;
+            2. all-reduce SUM of the slice over the inter group (`rail_all_reduce`; in ``wire``, with
+               error feedback into ``residual`` when lossy), divide by K;
             3. all-gather the slices inside the intra group.
     The slow tier carries 1/L of ``t`` per rank.
     """
@@ -258,12 +303,11 @@ def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: b
     if K <= 1:
         return t
     intra = groups.intra_low if low_priority else groups.intra
-    inter = groups.inter_low if low_priority else groups.inter
     buf = _padded(t, L)
     m = buf.numel() // L
     chunk = buf[groups.intra_rank * m:(groups.intra_rank + 1) * m].clone()
-    run("all_reduce", "inter", inter, groups, chunk.numel() * chunk.element_size(), record,
-         lambda: dist.all_reduce(chunk, group=inter))
+    rail_all_reduce(chunk, groups, wire=wire or chunk.dtype, residual=residual, low_priority=low_priority,
+                    record=record)
     chunk.div_(K)
     if L > 1:
         run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
@@ -286,7 +330,7 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, groups: ReducerGroups, *,
         out.copy_(t.reshape(-1)[: out.numel()])
         return out
     run("reduce_scatter", "intra", groups.intra, groups, t.numel() * t.element_size(), record,
-        lambda: dist.reduce_scatter_tensor(out, t, group=groups.intra))
+        lambda: _reduce_scatter(out, t, group=groups.intra))
     return out
 
 

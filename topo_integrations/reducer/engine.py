@@ -64,6 +64,9 @@ class ReconcileItem:
     """The parameter whose values (or a slice of them) this is; drift is measured on these."""
     nonneg: bool = False
     """A second moment: clamped at 0 after an asynchronous correction."""
+    state: bool = False
+    """Optimizer state (moments): averaged as values in fp32, only at every ``local.moments_interval``-th
+    reconciliation and at the blocking ones that precede a save, a class refresh or a promotion."""
 
 
 class ReconcileSource(Protocol):
@@ -101,7 +104,7 @@ class ParamReconcileSource:
             for k in sorted(st):
                 v = st[k]
                 if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape:
-                    out.append(ReconcileItem(f"state:{n}:{k}", v, nonneg=_is_second_moment(k)))
+                    out.append(ReconcileItem(f"state:{n}:{k}", v, nonneg=_is_second_moment(k), state=True))
         return out
 
     def written(self) -> None:
@@ -160,6 +163,9 @@ class Engine:
         self.sync_dtype = wire_dtype(cfg.sync.dtype if cfg.mode == "selective" else cfg.communication.inter_dtype)
         self.local_dtype = wire_dtype(cfg.local.dtype)
         self.reconcile_interval = cfg.local.reconcile_interval
+        self.reconcile_dtype = wire_dtype(cfg.local.reconcile_dtype)
+        self._anchor: dict | None = None
+        """The last reconciled LOCAL values (keys, flat fp32, outer momentum): identical on every rank."""
         self.importance = Importance(cfg.importance.method, cfg.importance.ema_decay, self.names,
                                      device=self.device)
         self.loss_closure = loss_closure
@@ -262,6 +268,7 @@ class Engine:
                 raise ValueError("topo_align: reconfigure(classes=...) must name every parameter of the engine")
             self.classes = dict(classes)
             self.class_version += 1
+            self._anchor = None
             changed = True
         if reconcile_interval is not None:
             self.reconcile_interval = int(reconcile_interval)
@@ -396,9 +403,11 @@ class Engine:
             self.all_synced = not self.has_local()
             if self.step % self.reconcile_interval == 0:
                 refresh = self.step - self.last_refresh >= self.cfg.importance.refresh_interval
-                if (refresh or not self.cfg.local.async_reconcile
-                        or self.drift.wants_blocking(self.classes, self.numels)):
-                    self._reconcile_blocking(source)
+                promote = self.drift.wants_blocking(self.classes, self.numels)
+                if refresh or promote or not self.cfg.local.async_reconcile:
+                    # Classes may change after this one: moments too, so a tensor turning SYNC
+                    # carries identical optimizer state.
+                    self._reconcile_blocking(source, moments=refresh or promote)
                 else:
                     self._reconcile_async(source)
                 did = True
@@ -411,27 +420,60 @@ class Engine:
 
     def reconcile(self, source: ReconcileSource | None, blocking: bool = True) -> None:
         """Force a reconciliation now (before evaluation or saving): applies a pending correction,
-        then averages. Afterwards (blocking) every parameter is identical on all ranks."""
+        then averages parameters and optimizer moments. Afterwards (blocking) every parameter and its
+        optimizer state is identical on all ranks."""
         if not self.selective:
             return
         self.source = source
         if self._pending is not None:
             self._apply_pending(source)
         if blocking:
-            self._reconcile_blocking(source)
+            self._reconcile_blocking(source, moments=True)
         else:
             self._reconcile_async(source)
 
-    def _split(self, source, local):
-        items = source.items(local) if source is not None and local else []
-        return [i for i in items if not i.shard], [i for i in items if i.shard]
+    # Reconciliation, in three parts per call (every rank calls at the same steps):
+    #   values  -- the LOCAL parameters (and fp32 masters): with an exact fp32 wire and no outer
+    #              optimizer their mean; else the mean of their change since the last reconciliation
+    #              (the anchor, identical on every rank) on the `reconcile_dtype` wire with error
+    #              feedback, put through the outer optimizer: target = anchor + outer(mean delta);
+    #   states  -- optimizer moments, fp32 means, only when `_moments_due` (or forced);
+    #   both split into replicated items (identical inside a group) and shards (per-rank partitions).
 
-    def _average(self, rep: torch.Tensor, shard: torch.Tensor) -> None:
-        """Phases: 1. replicated part: each member averages 1/L over the rail, the group all-gathers;
-        2. partition part: one rail all-reduce / K (peers hold the same partition). Both on the
-        LOCAL worker's communicators, in chunks of the bucket size."""
-        self.wire.reconcile_(rep, shard=False)
-        self.wire.reconcile_(shard, shard=True)
+    def _items(self, source, local, moments: bool):
+        items = source.items(local) if source is not None and local else []
+        vals = [i for i in items if not i.state]
+        states = [i for i in items if i.state] if moments else []
+        order = lambda xs: [i for i in xs if not i.shard] + [i for i in xs if i.shard]  # noqa: E731
+        return order(vals), order(states)
+
+    def _moments_due(self, forced: bool) -> bool:
+        return forced or (self.reconciles + 1) % self.cfg.local.moments_interval == 0
+
+    def _uses_delta(self, keys: list[str]) -> bool:
+        """Delta averaging needs an anchor of the same layout (the first reconciliation of a layout
+        averages values exactly and sets it)."""
+        wants = self.reconcile_dtype != torch.float32 or self.cfg.local.outer_momentum > 0 or \
+            self.cfg.local.outer_lr != 1.0
+        return wants and self._anchor is not None and self._anchor["keys"] == keys
+
+    def _average_flat(self, flat: torch.Tensor, items: list[ReconcileItem], *, wire: torch.dtype, key: str) -> None:
+        """Phases: 1. replicated part: each member averages 1/L of it over the rail (leaf + spine
+        with three levels), the group all-gathers; 2. partition part: one rail all-reduce / K (peers
+        hold the same partition). On the LOCAL worker's communicators, in chunks of the bucket size."""
+        nr = sum(i.tensor.numel() for i in items if not i.shard)
+        self.wire.reconcile_(flat[:nr], shard=False, wire=wire, key=key)
+        self.wire.reconcile_(flat[nr:], shard=True, wire=wire, key=key)
+
+    def _outer(self, delta: torch.Tensor) -> torch.Tensor:
+        """The outer optimizer's step from the mean delta (identity with momentum 0 and lr 1)."""
+        m, lr = self.cfg.local.outer_momentum, self.cfg.local.outer_lr
+        if m > 0:
+            v = self._anchor.get("momentum")
+            v = delta.clone() if v is None else v.mul_(m).add_(delta)
+            self._anchor["momentum"] = v
+            delta = delta + m * v
+        return delta * lr if lr != 1.0 else delta
 
     def _measure(self, items: list[ReconcileItem], before: torch.Tensor, after: torch.Tensor, step: int) -> None:
         segs, off = [], 0
@@ -441,16 +483,46 @@ class Engine:
             off += it.tensor.numel()
         self.drift.measure_segments(segs, before, after, self.wire, step)
 
-    def _reconcile_blocking(self, source) -> None:
-        rep, shard = self._split(source, self.local_names())
-        if rep or shard:
-            fr, fs = _flat(rep, self.device), _flat(shard, self.device)
-            br, bs = fr.clone(), fs.clone()
-            self.run(LOCAL, lambda: self._average(fr, fs))
-            _scatter(rep, fr)
-            _scatter(shard, fs)
+    def _launch_average(self, vals, states):
+        """Snapshot and start the averages on the LOCAL worker; returns what the correction needs."""
+        keys = [i.key for i in vals]
+        snap = _flat(vals, self.device)
+        delta = self._uses_delta(keys)
+        send = snap - self._anchor["flat"] if delta else snap.clone()
+        ssnap = _flat(states, self.device)
+        savg = ssnap.clone()
+        wire = self.reconcile_dtype if delta else torch.float32
+
+        def job():
+            self._average_flat(send, vals, wire=wire, key="reconcile")
+            if states:
+                self._average_flat(savg, states, wire=torch.float32, key="moments")
+
+        fut = self.submit(LOCAL, job)
+        return {"keys": keys, "skeys": [i.key for i in states], "snap": snap, "avg": send, "delta": delta,
+                "ssnap": ssnap, "savg": savg, "future": fut}
+
+    def _finish_average(self, p) -> torch.Tensor:
+        """The reconciled values (identical on every rank) from a finished average; updates the anchor."""
+        if p["delta"]:
+            target = self._anchor["flat"] + self._outer(p["avg"])
+        else:
+            target = p["avg"]
+            if self._anchor is None or self._anchor["keys"] != p["keys"]:
+                self._anchor = {"keys": list(p["keys"]), "flat": None, "momentum": None}
+        self._anchor["flat"] = target.clone()
+        return target
+
+    def _reconcile_blocking(self, source, *, moments: bool = False) -> None:
+        vals, states = self._items(source, self.local_names(), self._moments_due(moments))
+        if vals or states:
+            p = self._launch_average(vals, states)
+            self.wait(p["future"])
+            target = self._finish_average(p)
+            _scatter(vals, target)
+            _scatter(states, p["savg"])
             source.written()
-            self._measure(rep + shard, torch.cat([br, bs]), torch.cat([fr, fs]), self.step)
+            self._measure(vals, p["snap"], target, self.step)
         self.all_synced = True
         self.reconciles += 1
         # Every replica is identical now: the only moment a LOCAL tensor may become SYNC.
@@ -460,30 +532,28 @@ class Engine:
 
     def _reconcile_async(self, source) -> None:
         local = self.local_names()
-        rep, shard = self._split(source, local)
-        if not (rep or shard):
+        vals, states = self._items(source, local, self._moments_due(False))
+        if not (vals or states):
             self.all_synced = True
             return
-        snap = torch.cat([_flat(rep, self.device), _flat(shard, self.device)])
-        avg = snap.clone()
-        nr = sum(i.tensor.numel() for i in rep)
-        fut = self.submit(LOCAL, lambda: self._average(avg[:nr], avg[nr:]))
-        self._pending = {"local": local, "keys": [i.key for i in rep + shard], "snap": snap, "avg": avg,
-                         "future": fut, "step": self.step}
+        p = self._launch_average(vals, states)
+        p.update(local=local, step=self.step, moments=bool(states))
+        self._pending = p
         self.reconciles += 1
 
     def _apply_pending(self, source) -> None:
         p, self._pending = self._pending, None
         if p.get("future") is not None:
             self.wait(p["future"])
-        rep, shard = self._split(source, p["local"])
-        items = rep + shard
-        if [i.key for i in items] != p["keys"]:
+        vals, states = self._items(source, p["local"], p["moments"])
+        if [i.key for i in vals] != p["keys"] or [i.key for i in states] != p["skeys"]:
             raise RuntimeError("topo_align: the tensors to reconcile changed between the snapshot and the "
                                "correction (optimizer state created or dropped?)")
-        _scatter(items, p["avg"], snap=p["snap"])
+        target = self._finish_average(p)
+        _scatter(vals, target, snap=p["snap"])
+        _scatter(states, p["savg"], snap=p["ssnap"])
         source.written()
-        self._measure(items, p["snap"], p["avg"], p["step"])
+        self._measure(vals, p["snap"], target, p["step"])
         self.max_staleness = max(self.max_staleness, self.step - p["step"])
 
     def drain(self) -> None:
@@ -502,9 +572,11 @@ class Engine:
         self.drain()
         pend = None
         if self._pending is not None:
-            p = self._pending
-            pend = {"local": list(p["local"]), "keys": list(p["keys"]), "snap": p["snap"].cpu().clone(),
-                    "avg": p["avg"].cpu().clone(), "step": p["step"]}
+            pend = {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in self._pending.items()
+                    if k != "future"}
+        anchor = None
+        if self._anchor is not None:
+            anchor = {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in self._anchor.items()}
         ctrl = self.adaptive
         mode, classes = self.mode, dict(self.classes)
         if ctrl is not None:
@@ -514,7 +586,7 @@ class Engine:
         return {"format": ENGINE_STATE_FORMAT, "mode": mode, "step": self.step, "last_refresh": self.last_refresh,
                 "reconciles": self.reconciles, "all_synced": self.all_synced, "classes": classes,
                 "residuals": self.wire.residual_state(), "importance": self.importance.state_dict(),
-                "pending": pend, "max_staleness": self.max_staleness, "stats": self.stats_.state_dict(),
+                "pending": pend, "anchor": anchor, "max_staleness": self.max_staleness, "stats": self.stats_.state_dict(),
                 "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -546,10 +618,13 @@ class Engine:
         self.reconciles = int(sd.get("reconciles", 0))
         self.all_synced = bool(sd["all_synced"])
         self.max_staleness = int(sd["max_staleness"])
-        p = sd.get("pending")
-        self._pending = None if p is None else {
-            "local": list(p["local"]), "keys": list(p["keys"]), "snap": p["snap"].to(self.device),
-            "avg": p["avg"].to(self.device), "future": None, "step": int(p["step"])}
+        def to_dev(d):
+            return None if d is None else {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in d.items()}
+
+        self._pending = to_dev(sd.get("pending"))
+        if self._pending is not None:
+            self._pending["future"] = None
+        self._anchor = to_dev(sd.get("anchor"))
         self.stats_.load_state_dict(sd["stats"])
         self.drift.load_state_dict(sd.get("drift"))
         if ctrl is not None:

@@ -10,8 +10,10 @@ The plan indexes *positions* 0..dp_size-1 inside one data-parallel group; `dp_ra
 position to its global rank. Every data-parallel group uses the same layout.
 
 Each class of traffic gets its own communicators (``intra``/``inter`` for SYNC, ``intra_low``/
-``inter_low`` for LOCAL and reconciliation): the two classes then progress concurrently and a
-collective of one class never queues behind the other (DESIGN.md 4, dual-priority pipeline).
+``inter_low`` for LOCAL and reconciliation; likewise the leaf and spine rails of a 3-level plan):
+the two classes then progress concurrently and a collective of one class never queues behind the
+other. On NCCL the SYNC communicators use high-priority streams (`group_options`). The ordering
+rule that keeps this deadlock-free is in docs/reducer.md (dual-priority pipeline).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..config import TopoAlignConfig
 from ..topology import Plan, PlanError, Topology, TopologyError, plan_groups
 from ..topology.model import DEFAULT_TIERS, RankPlace
 
-__all__ = ["ReducerGroups", "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
+__all__ = ["ReducerGroups", "SYNC_KINDS", "group_options", "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
            "HOSTNAME_ENV"]
 
 log = logging.getLogger("topo_align")
@@ -56,7 +58,14 @@ class ReducerGroups:
     intra_low: Any
     inter_low: Any
     leaf_rail: Any = None
+    """With ``topology.middle_level``: my rail inside my leaf (position i of every island of the leaf)."""
     spine_rail: Any = None
+    """With ``topology.middle_level``: the ranks holding my leaf-rail chunk in every leaf (the spine hop)."""
+    leaf_rail_low: Any = None
+    spine_rail_low: Any = None
+    leaf_rail_size: int = 1
+    """Members of my leaf rail; 1 unless three levels are in use (see :attr:`three_level`)."""
+    spine_rail_size: int = 1
     intra_size: int = 1
     inter_size: int = 1
     group_index: int = 0
@@ -81,6 +90,11 @@ class ReducerGroups:
         return self.plan.hierarchical
 
     @property
+    def three_level(self) -> bool:
+        """Reduce across groups in two hops (leaf rail, then spine rail) instead of one rail hop."""
+        return self.leaf_rail is not None and self.leaf_rail_size > 1 and self.spine_rail_size > 1
+
+    @property
     def dp_size(self) -> int:
         return len(self.dp_ranks)
 
@@ -98,9 +112,27 @@ def _short(ranks) -> str:
     return ", ".join(map(str, ranks[:4])) + f", ... ({len(ranks)} ranks)"
 
 
-def _new_group(ranks: list[int], timeout: datetime.timedelta | None):
+SYNC_KINDS = ("intra", "inter", "leaf_rail", "spine_rail")
+"""Group kinds that carry SYNC traffic (gradients every step): high-priority streams on NCCL. The
+``*_low`` kinds carry LOCAL gradients and reconciliation and keep the default priority."""
+
+
+def group_options(kind: str, backend: str):
+    """``pg_options`` for a group of ``kind``: on NCCL the SYNC kinds get
+    ``ProcessGroupNCCL.Options(is_high_priority_stream=True)``, so their kernels are scheduled ahead
+    of LOCAL work on the GPU; None otherwise (gloo has no stream priority)."""
+    if backend != "nccl" or kind not in SYNC_KINDS:
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    return opts
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta | None, options=None):
     # Singleton groups still go through new_group: every rank must make the same calls.
     kw = {"timeout": timeout} if timeout is not None else {}
+    if options is not None:
+        kw["pg_options"] = options
     return dist.new_group(ranks=sorted(ranks), **kw)
 
 
@@ -163,9 +195,20 @@ def build_groups(plan: Plan, *, dp_ranks_all: list[list[int]] | None = None,
         return [[g[i] for g in isl] for i in range(len(isl[0]))]
 
     kinds = [("intra", intra_of), ("intra_low", intra_of), ("inter", rails_of), ("inter_low", rails_of)]
-    if plan.middle_level:
-        kinds += [("leaf_rail", lambda dp: [[dp[p] for p in g] for g in plan.leaf_rails]),
-                  ("spine_rail", lambda dp: [[dp[p] for p in g] for g in plan.spine_rails])]
+    three = plan.middle_level and plan.hierarchical and _chunks_line_up(plan, dp_ranks_all)
+    if plan.middle_level and plan.hierarchical and not three:
+        log.warning("topo_align: middle_level: the global rank order does not give the members of a spine rail "
+                    "the same chunk in their island and leaf rail; reducing over 2 levels (write the ranks in "
+                    "the order of `topo-align hostfile`)")
+    if three:
+        def leaf_rails(dp):
+            return [[dp[p] for p in g] for g in plan.leaf_rails]
+
+        def spine_rails(dp):
+            return [[dp[p] for p in g] for g in plan.spine_rails]
+
+        kinds += [("leaf_rail", leaf_rails), ("leaf_rail_low", leaf_rails),
+                  ("spine_rail", spine_rails), ("spine_rail_low", spine_rails)]
     handles: dict[str, Any] = {}
     members: dict[str, tuple[int, ...]] = {}
     if not plan.hierarchical:
@@ -175,10 +218,12 @@ def build_groups(plan: Plan, *, dp_ranks_all: list[list[int]] | None = None,
         kinds = []
         handles.update(intra=dp_group, intra_low=dp_group, inter=None, inter_low=None)
         members.update(intra=tuple(sorted(my_dp)), inter=(me,))
+    backend = dist.get_backend()
     for kind, make in kinds:
+        options = group_options(kind, backend)
         for dp in dp_ranks_all:
             for ranks in make(dp):
-                pg = _new_group(ranks, timeout)
+                pg = _new_group(ranks, timeout, options)
                 if me in ranks:
                     handles[kind] = pg
                     members[kind] = tuple(sorted(ranks))
@@ -195,6 +240,10 @@ def build_groups(plan: Plan, *, dp_ranks_all: list[list[int]] | None = None,
         inter_low=handles["inter_low"],
         leaf_rail=handles.get("leaf_rail"),
         spine_rail=handles.get("spine_rail"),
+        leaf_rail_low=handles.get("leaf_rail_low"),
+        spine_rail_low=handles.get("spine_rail_low"),
+        leaf_rail_size=len(members.get("leaf_rail", (me,))),
+        spine_rail_size=len(members.get("spine_rail", (me,))),
         intra_size=len(members["intra"]),
         inter_size=len(members["inter"]),
         group_index=plan.group_index(position),
@@ -205,6 +254,24 @@ def build_groups(plan: Plan, *, dp_ranks_all: list[list[int]] | None = None,
         timeout_s=timeout_s,
         names=names,
     )
+
+
+def _chunks_line_up(plan: Plan, dp_ranks_all: list[list[int]]) -> bool:
+    """Whether every spine rail joins ranks that hold the same chunk after the island reduce-scatter
+    and the leaf-rail reduce-scatter (a reduce-scatter hands chunk i to the i-th smallest global rank
+    of the group), in every data-parallel group. Pure function of the plan: the same on every rank."""
+    for dp in dp_ranks_all:
+        where: dict[int, tuple[int, int]] = {}
+        for g in plan.intra_groups:
+            for i, r in enumerate(sorted(dp[p] for p in g)):
+                where[r] = (i, -1)
+        for g in plan.leaf_rails:
+            for j, r in enumerate(sorted(dp[p] for p in g)):
+                where[r] = (where[r][0], j)
+        for g in plan.spine_rails:
+            if len({where[dp[p]] for p in g}) != 1:
+                return False
+    return True
 
 
 def broadcast_plan(plan: Plan | None, group=None, *, src: int | None = None) -> Plan:

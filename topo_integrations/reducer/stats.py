@@ -1,7 +1,8 @@
 """Bytes and seconds per tier and per traffic class, for the last optimizer step and in total.
 
 Tiers: ``dp`` (flat all-reduce over the whole data-parallel group), ``intra`` (inside the fast
-group), ``inter`` (across groups, the slow tier). Classes: ``sync`` (gradients reduced globally:
+group), ``leaf`` (the leaf-rail hops of a 3-level reduction, ``topology.middle_level``), ``inter``
+(across groups: the slow tier, the spine hop with three levels). Classes: ``sync`` (gradients reduced globally:
 all of them in `flat`/`hierarchical`), ``local`` (LOCAL gradients inside the group), ``reconcile``
 (averaging LOCAL parameters / optimizer state across groups), ``control`` (scores, agreement
 scalars, consistency hashes).
@@ -22,7 +23,7 @@ from typing import Callable
 
 __all__ = ["Stats", "TIERS", "CLASSES"]
 
-TIERS = ("dp", "intra", "inter")
+TIERS = ("dp", "intra", "leaf", "inter")
 CLASSES = ("sync", "local", "reconcile", "control")
 
 

@@ -55,8 +55,10 @@ class Wire:
             self._residuals[key] = r
         return r
 
-    def reset_residuals(self) -> None:
-        self._residuals.clear()
+    def reset_residuals(self, prefix: str = "") -> None:
+        """Drop the residuals whose key starts with ``prefix`` (all by default)."""
+        for k in [k for k in self._residuals if k.startswith(prefix)]:
+            del self._residuals[k]
 
     def residual_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._residuals.items()}
@@ -75,8 +77,7 @@ class Wire:
         """Island reduce-scatter, rail all-reduce of the shard in ``wire`` (error feedback under
         ``key``), island all-gather (three levels with ``topology.middle_level``)."""
         g = self.groups
-        shard = -(-t.numel() // g.intra_size)
-        res = self.residual(key, shard, t.dtype, wire)
+        res = self.residual(key, C.rail_numel(-(-t.numel() // g.intra_size), g), t.dtype, wire)
         return C.hierarchical_all_reduce(t, g, inter_dtype=wire, residual=res, average=average,
                                          low_priority=low_priority, record=self._rec[cls])
 
@@ -93,10 +94,9 @@ class Wire:
         the inter hop of a reduction whose island step a framework already did (ZeRO-1/2 with the
         island as DeepSpeed's DP group, Megatron's distributed optimizer)."""
         g = self.groups
-        res = self.residual(key, t.numel(), t.dtype, wire)
-        group = g.inter_low if low_priority else g.inter
+        res = self.residual(key, C.rail_numel(t.numel(), g), t.dtype, wire)
         C.check_device(t, g, "rail all-reduce")
-        C.hop(t.view(-1), wire, res, group, "inter", g, self._rec[cls], g.inter_size)
+        C.rail_all_reduce(t.view(-1), g, wire=wire, residual=res, low_priority=low_priority, record=self._rec[cls])
         if average and g.inter_size > 1:
             t.div_(g.inter_size)
         return t
@@ -105,16 +105,21 @@ class Wire:
         """Reduce-scatter SUM of ``t`` inside the island into ``out`` (member i gets chunk i)."""
         return C.reduce_scatter(out, t, self.groups, record=self._rec[cls])
 
-    def reconcile_(self, flat: torch.Tensor, *, shard: bool) -> torch.Tensor:
-        """Mean across islands, in chunks, on the LOCAL communicators (see Engine._average)."""
+    def reconcile_(self, flat: torch.Tensor, *, shard: bool, wire: torch.dtype = torch.float32,
+                   key: str = "reconcile") -> torch.Tensor:
+        """Mean across islands of ``flat`` (fp32), in chunks, on the LOCAL communicators (see
+        Engine._average); a lossy ``wire`` keeps its rounding error under ``key/<chunk>``."""
         g = self.groups
         n = flat.numel()
-        for start in range(0, n, self.chunk_numel):
+        for i, start in enumerate(range(0, n, self.chunk_numel)):
             part = flat[start:start + self.chunk_numel]
             if shard:
-                self.rail_(part, key="", wire=part.dtype, cls="reconcile", average=True, low_priority=True)
+                self.rail_(part, key=f"{key}/s{i}", wire=wire, cls="reconcile", average=True, low_priority=True)
             else:
-                C.reconcile_average(part, g, low_priority=True, record=self._rec["reconcile"])
+                res = self.residual(f"{key}/r{i}", C.rail_numel(-(-part.numel() // g.intra_size), g),
+                                    part.dtype, wire)
+                C.reconcile_average(part, g, low_priority=True, wire=wire, residual=res,
+                                    record=self._rec["reconcile"])
         return flat
 
     def agree(self, x: torch.Tensor, op: str = "sum", *, over: str = "dp", cls: str = "control") -> torch.Tensor:
