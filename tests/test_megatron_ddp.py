@@ -181,11 +181,12 @@ class _Spy:
         self.C, self.dist, self.tl = C, dist, threading.local()
         self.worker = any(e._executors for e in ddp.topo_engines)
         gs = ddp.topo_group_set.all()
-        self.handles = [h for g in gs for h in (g.intra, g.inter, g.intra_low, g.inter_low, g.leaf_rail,
-                                                 g.spine_rail, g.dp_group) if h is not None]
-        self.low = [h for g in gs for h in (g.intra_low, g.inter_low) if h is not None]
+        kinds = ("intra", "inter", "intra_low", "inter_low", "leaf_rail", "spine_rail", "leaf_rail_low",
+                 "spine_rail_low", "dp_group")
+        self.handles = [h for g in gs for h in (getattr(g, k, None) for k in kinds) if h is not None]
+        self.low = [h for g in gs for h in (getattr(g, k, None) for k in kinds if k.endswith("_low")) if h is not None]
         self.outside, self.wrong_thread, self.seen = [], [], 0
-        self.saved = {("C", "run"): C.run, ("C", "_all_gather"): C._all_gather}
+        self.saved = {("C", "run"): C.run, ("C", "_all_gather"): C._all_gather, ("C", "_reduce_scatter"): C._reduce_scatter}
         self.saved.update({("dist", op): getattr(dist, op) for op in self.OPS})
 
     def __enter__(self):
@@ -216,6 +217,7 @@ class _Spy:
 
         self.C.run = run
         self.C._all_gather = wrap(self.saved[("C", "_all_gather")], "all_gather")
+        self.C._reduce_scatter = wrap(self.saved[("C", "_reduce_scatter")], "reduce_scatter")
         for op in self.OPS:
             setattr(self.dist, op, wrap(self.saved[("dist", op)], op))
         return self
@@ -223,6 +225,7 @@ class _Spy:
     def __exit__(self, *exc):
         self.C.run = self.saved[("C", "run")]
         self.C._all_gather = self.saved[("C", "_all_gather")]
+        self.C._reduce_scatter = self.saved[("C", "_reduce_scatter")]
         for op in self.OPS:
             setattr(self.dist, op, self.saved[("dist", op)])
 
@@ -302,6 +305,9 @@ def _engine_checks(rank, spec):
     out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000}),
                                           dist_opt=True, steps=7, at_step=_force_level("fp16"))
     out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}), dist_opt=True, steps=6)
+    out["delta_distopt"] = _engine_run(
+        rank, spec, cfg(local={"reconcile_dtype": "bf16", "moments_interval": 2, "outer_momentum": 0.5}),
+        dist_opt=True, steps=7)
     return out
 
 
@@ -644,7 +650,7 @@ def test_stock_when_off_flat_or_one_tier(world, case):
 
 
 ENGINE_CASES = ["async_plain", "async_distopt", "adaptive_plain", "adaptive_distopt", "drift_plain", "drift_distopt",
-                "hutchinson_plain"]
+                "hutchinson_plain", "delta_distopt"]
 
 
 @pytest.mark.timeout(960)

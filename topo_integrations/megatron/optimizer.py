@@ -106,7 +106,8 @@ class MegatronReconcileSource:
             for k in sorted(state):
                 v = state[k]
                 if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.numel() == main_p.numel():
-                    out.append(ReconcileItem(f"state:{name}:{k}", v, shard=shard, nonneg=k in SECOND_MOMENTS))
+                    out.append(ReconcileItem(f"state:{name}:{k}", v, shard=shard, nonneg=k in SECOND_MOMENTS,
+                                             state=True))
         return out
 
     def written(self) -> None:
