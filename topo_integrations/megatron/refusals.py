@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import ConfigError, TopoAlignConfig
+from .flags import FLAG_FIELDS
 
 __all__ = ["TopoAlignDDPError", "MegatronSide", "REFUSALS", "Refusal", "check_config", "check_megatron_settings",
            "ADAPTER"]
@@ -85,8 +86,6 @@ REFUSALS: tuple[Refusal, ...] = (
 def _flag(key: str) -> str:
     """`` (--topo-align-...)`` when a Megatron flag sets ``key`` (flags.py), so a refusal of a value
     that came from the command line names the flag too."""
-    from .flags import FLAG_FIELDS
-
     flags = ["--" + d.replace("_", "-") for d, k in FLAG_FIELDS.items() if k == key]
     return f" ({flags[0]})" if flags else ""
 
