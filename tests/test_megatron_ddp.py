@@ -216,6 +216,12 @@ class _Spy:
             return spied
 
         self.C.run = run
+        # modules that bound the function by name at import
+        from topo_integrations.reducer import adaptive, health
+
+        self.bound = [(m, n) for m in (adaptive, health) for n in ("run", "_run") if getattr(m, n, None) is orig_run]
+        for m, n in self.bound:
+            setattr(m, n, run)
         self.C._all_gather = wrap(self.saved[("C", "_all_gather")], "all_gather")
         self.C._reduce_scatter = wrap(self.saved[("C", "_reduce_scatter")], "reduce_scatter")
         for op in self.OPS:
@@ -224,6 +230,8 @@ class _Spy:
 
     def __exit__(self, *exc):
         self.C.run = self.saved[("C", "run")]
+        for m, n in self.bound:
+            setattr(m, n, self.saved[("C", "run")])
         self.C._all_gather = self.saved[("C", "_all_gather")]
         self.C._reduce_scatter = self.saved[("C", "_reduce_scatter")]
         for op in self.OPS:
@@ -297,6 +305,9 @@ def _engine_checks(rank, spec):
     out["async_plain"] = _engine_run(rank, spec, cfg(), dist_opt=False, steps=7, spy=True)
     out["adaptive_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000}),
                                         dist_opt=False, steps=7, at_step=_force_level("fp16"))
+    # the controller measuring for real (probe + agreement every 2 steps) while averages are in flight
+    out["adaptive_checks_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 2}),
+                                               dist_opt=False, steps=7, spy=True)
     out["drift_plain"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}), dist_opt=False, steps=6)
     out["hutchinson_plain"] = _engine_run(
         rank, spec, cfg(importance={"method": "hutchinson", "refresh_interval": 2}, sync={"top_fraction": 0.3}),
@@ -499,6 +510,7 @@ def _rank_main(rank, world, tmpdir):
     timings["selective_plain"] = time.time() - t0
     t0 = time.time()
     res["checkpoint"] = _checkpoint_run(rank, spec, sel)
+    res["checkpoint_async"] = _checkpoint_run(rank, spec, sel.with_overrides({"local.async_reconcile": True}))
     import torch
 
     res["skip"] = _skip_run(rank, TinyGPT(extra={"bf16": True, "params_dtype": torch.bfloat16}), sel)
@@ -618,14 +630,15 @@ def test_overflow_skip_agrees_across_groups(world):
 
 
 @pytest.mark.timeout(960)
-def test_checkpoint_reconciles_and_carries_reducer_state(world):
+@pytest.mark.parametrize("case", ["checkpoint", "checkpoint_async"])
+def test_checkpoint_reconciles_and_carries_reducer_state(world, case):
     for res in world:
-        ck = res["checkpoint"]
+        ck = res[case]
         assert ck["after_save_all_same"]  # save reconciled: replica 0's files hold every parameter
         assert ck["has_residuals"] and "classes" in ck["state_keys"] and "step" in ck["state_keys"]
         assert ck["with_state"], "resume from replica 0 + plugin state must equal not stopping"
     # Without the plugin state (step counter, classes, residuals) the resumed run differs.
-    assert not all(res["checkpoint"]["without_state"] for res in world)
+    assert not all(res[case]["without_state"] for res in world)
 
 
 @pytest.mark.timeout(960)
@@ -650,7 +663,7 @@ def test_stock_when_off_flat_or_one_tier(world, case):
 
 
 ENGINE_CASES = ["async_plain", "async_distopt", "adaptive_plain", "adaptive_distopt", "drift_plain", "drift_distopt",
-                "hutchinson_plain", "delta_distopt"]
+                "hutchinson_plain", "delta_distopt", "adaptive_checks_plain"]
 
 
 @pytest.mark.timeout(960)
@@ -677,7 +690,7 @@ def test_async_reconcile_overlaps_with_staleness_one(world, case):
 
 
 @pytest.mark.timeout(960)
-@pytest.mark.parametrize("case", ["async_plain", "async_distopt"])
+@pytest.mark.parametrize("case", ["async_plain", "async_distopt", "adaptive_checks_plain"])
 def test_every_collective_on_topo_groups_goes_through_collectives_run(world, case):
     for res in world:
         r = res["engine"][case]

@@ -115,4 +115,4 @@ def check_megatron_settings(cfg: TopoAlignConfig, side: MegatronSide) -> None:
         raise TopoAlignDDPError(
             f"topo_align: mode = {cfg.mode!r} is not supported by {ADAPTER} with "
             "reduce_scatter_with_fp32_accumulation: the plugin issues its own reduce-scatter; turn "
-            "--reduce-scatter-with-fp32-accumulation off")
+            "--ddp-reduce-scatter-with-fp32-accumulation off")
