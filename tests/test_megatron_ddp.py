@@ -215,10 +215,11 @@ class _Spy:
                 return fn(*a, **k)
             return spied
 
-        self.C.run = run
-        # modules that bound the function by name at import
+        # modules that bound the function by name at import (imported before C.run is replaced, or
+        # they would bind the wrapper)
         from topo_integrations.reducer import adaptive, health
 
+        self.C.run = run
         self.bound = [(m, n) for m in (adaptive, health) for n in ("run", "_run") if getattr(m, n, None) is orig_run]
         for m, n in self.bound:
             setattr(m, n, run)
