@@ -19,8 +19,9 @@ import deepspeed  # noqa: E402
 import topo_integrations.deepspeed as tds  # noqa: E402
 from topo_integrations.config import ConfigError, TopoAlignConfig  # noqa: E402
 from topo_integrations.deepspeed import compat, harness as H  # noqa: E402
-from topo_integrations.deepspeed.classes import classify  # noqa: E402
-from topo_integrations.deepspeed.support import UnsupportedConfigError, check_supported  # noqa: E402
+from topo_integrations.deepspeed.block import from_deepspeed_config  # noqa: E402
+from topo_integrations.deepspeed.support import KEY_REFUSALS, UnsupportedConfigError, check_supported  # noqa: E402
+from topo_integrations.reducer.classes import SYNC, classify, layer_indices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "deepspeed" / "deepspeed-0.19.8-topo-align.patch"
@@ -96,12 +97,61 @@ def test_refusals_without_engine():
     sel = TopoAlignConfig.from_block(H.topo_block("selective"))
     with pytest.raises(UnsupportedConfigError, match="an mpu"):
         check_supported(H.ds_config(1), sel, mpu=object())
-    hutch = TopoAlignConfig.from_block(H.topo_block("selective", importance={"method": "hutchinson"}))
-    with pytest.raises(UnsupportedConfigError, match="use importance.method 'fisher' or 'magnitude'"):
-        check_supported(H.ds_config(2), hutch)
+    # hutchinson and adaptive work in the adapter now: nothing refused.
+    check_supported(H.ds_config(2), TopoAlignConfig.from_block(H.topo_block(
+        "selective", importance={"method": "hutchinson"}, adaptive={"enabled": True})))
     # flat never reaches a seam, so nothing is refused.
     check_supported(H.ds_config(3, zero_optimization={"zero_quantized_gradients": True}),
                     TopoAlignConfig.from_block({"mode": "flat"}))
+
+
+# -- the refuse table: a key the adapter cannot honour is refused at initialize, naming it -------
+
+REFUSED = [
+    (2, "hierarchical", {"communication": {"bucket_size_mb": 50}}, {},
+     "topo_align.communication.bucket_size_mb = 50.0 is not supported by the DeepSpeed adapter (mode 'hierarchical', "
+     "ZeRO stage 2): DeepSpeed builds and owns the gradient buckets the adapter reduces; set "
+     "zero_optimization.reduce_bucket_size (elements) in the DeepSpeed config instead"),
+    (0, "selective", {"communication": {"overlap": False}}, {},
+     "topo_align.communication.overlap = False is not supported by the DeepSpeed adapter (mode 'selective', "
+     "ZeRO stage 0): DeepSpeed decides when its buckets are reduced during backward; set "
+     "zero_optimization.overlap_comm in the DeepSpeed config instead"),
+    (2, "selective", {"local": {"dtype": "fp16"}}, {"bf16": {"enabled": True}},
+     "topo_align.local.dtype = 'fp16' is not supported by the DeepSpeed adapter (mode 'selective', ZeRO stage 2): "
+     "at ZeRO-1/2 `selective` DeepSpeed reduces the LOCAL gradients inside the island itself, in its "
+     "communication dtype (bf16); remove local.dtype (or set it to 'bf16'), or set DeepSpeed's "
+     "communication_data_type to 'fp16'"),
+    (1, "selective", {"local": {"dtype": "bf16"}}, {},
+     "topo_align.local.dtype = 'bf16' is not supported by the DeepSpeed adapter (mode 'selective', ZeRO stage 1): "
+     "at ZeRO-1/2 `selective` DeepSpeed reduces the LOCAL gradients inside the island itself, in its "
+     "communication dtype (fp32); remove local.dtype (or set it to 'fp32'), or set DeepSpeed's "
+     "communication_data_type to 'bf16'"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stage, mode, sections, extra, message", REFUSED,
+                         ids=["bucket_size_mb", "overlap", "local.dtype-bf16", "local.dtype-fp32"])
+def test_refused_key_names_key_adapter_and_instead(stage, mode, sections, extra, message):
+    # initialize refuses before DeepSpeed builds anything (no process group is needed to get here).
+    with pytest.raises(UnsupportedConfigError) as exc:
+        _init(H.ds_config(stage, topo=H.topo_block(mode, **sections), **extra))
+    assert str(exc.value) == message
+
+
+@pytest.mark.timeout(30)
+def test_refuse_table_only_refuses_what_the_user_set():
+    assert {r.key for r in KEY_REFUSALS} == {"communication.bucket_size_mb", "communication.overlap", "local.dtype"}
+    # Defaults (bucket_size_mb 25, overlap true, local.dtype fp16) are never refused ...
+    block = {"enabled": True, "mode": "selective", "topology": {"source": "hostnames"}}
+    check_supported(H.ds_config(2, bf16={"enabled": True}), TopoAlignConfig.from_block(block))
+    # ... a local.dtype equal to DeepSpeed's communication dtype is honoured, and
+    check_supported(H.ds_config(2, bf16={"enabled": True}, topo=None),
+                    TopoAlignConfig.from_block(dict(block, local={"dtype": "bf16"})))
+    check_supported(H.ds_config(1, communication_data_type="fp16"),
+                    TopoAlignConfig.from_block(dict(block, local={"dtype": "fp16"})))
+    # ... and at ZeRO-0 the adapter reduces LOCAL gradients itself, in any local.dtype.
+    check_supported(H.ds_config(0), TopoAlignConfig.from_block(dict(block, local={"dtype": "bf16"})))
 
 
 # -- the runtime patcher refuses unknown versions and changed signatures -------------------------
@@ -209,7 +259,7 @@ def test_ready_config_is_valid(path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     ds = json.loads(path.read_text())
-    cfg = TopoAlignConfig.from_deepspeed_config(ds)
+    cfg = from_deepspeed_config(ds)
     assert cfg is not None and cfg.enabled
     check_supported(ds, cfg)
     stage = ds["zero_optimization"]["stage"]
@@ -219,10 +269,21 @@ def test_ready_config_is_valid(path):
 
 # -- classes and the CPU op ----------------------------------------------------------------------
 
+def _classify(named, sync_cfg, scores=None):
+    """The engine's classification rules (reducer/classes.py) as the adapter applies them."""
+    names = [n for n, _ in named]
+    out = classify(names, [k for _, k in named], last_n_layers=sync_cfg.last_n_layers,
+                   always_sync=list(sync_cfg.always_sync), top_fraction=sync_cfg.top_fraction,
+                   scores=[scores[n] for n in names] if scores else None,
+                   layers=layer_indices(names, layer_pattern=sync_cfg.layer_pattern))
+    return {n: c == SYNC for n, c in out.items()}
+
+
 @pytest.mark.timeout(30)
 def test_classes_structure_and_importance():
     named = [(n, p.numel()) for n, p in H.Net().named_parameters()]
     sync_cfg = TopoAlignConfig.from_block(H.topo_block("selective")).sync
+    classify = _classify
     sync = classify(named, sync_cfg)
     assert {n for n, s in sync.items() if s} == {"layers.2.weight", "layers.2.bias", "head.weight", "head.bias"}
     total = sum(k for _, k in named)

@@ -63,12 +63,12 @@ def _hierarchical(rank):
             eng = _engine(H.Net(), H.ds_config(stage, gas=gas, clip=clip, topo=H.topo_block("hierarchical")), optim)
             H.train(eng, 10)
             got = H.flat_params(eng)
-            tot = eng.topo_align.wire.stats.snapshot()["total"]
+            tot = eng.topo_align_stats()["total"]["bytes"]
             res[(stage, oname)] = {
                 "rel_err": H.rel_err(got, ref),
                 "engine": type(eng).__name__, "optimizer": type(eng.optimizer).__name__,
                 "stock_engine": type(stock).__name__,
-                "intra_bytes": tot.get("intra/sync/bytes", 0.0), "inter_bytes": tot.get("inter/sync/bytes", 0.0),
+                "intra_bytes": tot["intra"]["sync"], "inter_bytes": tot["inter"]["sync"],
             }
     # ZeRO-1/2 reduction variants: reduce-to-owner buckets, and one all-reduce per bucket.
     # bf16 at ZeRO-0 (FP16_UnfusedOptimizer wrapper) and at ZeRO-1 with grad_accum_dtype fp32
@@ -86,12 +86,11 @@ def _hierarchical(rank):
         eng = _engine(H.Net(), H.ds_config(stage, gas=2, clip=0.05, zero_optimization=zero, **extra,
                                            topo=H.topo_block("hierarchical")), "adamw")
         H.train(eng, 10)
-        tot = eng.topo_align.wire.stats.snapshot()["total"]
+        tot = eng.topo_align_stats()["total"]["bytes"]
         res[(stage, vname)] = {"rel_err": H.rel_err(H.flat_params(eng), H.flat_params(stock)),
                                "engine": type(eng).__name__, "optimizer": type(eng.optimizer).__name__,
                                "stock_engine": type(stock).__name__,
-                               "intra_bytes": tot.get("intra/sync/bytes", 0.0),
-                               "inter_bytes": tot.get("inter/sync/bytes", 0.0)}
+                               "intra_bytes": tot["intra"]["sync"], "inter_bytes": tot["inter"]["sync"]}
     return res
 
 
@@ -117,9 +116,9 @@ def _selective(rank):
                 # Right after the reconciliation at step 12, move two tensors between classes, as a
                 # refresh would (refresh_classes does exactly this: new classes, version + 1). The
                 # fisher ranking of this model happens to keep its classes, so force a change here.
-                assert st.last_reconcile == st.steps == 12
-                st.sync["layers.1.weight"], st.sync["layers.2.weight"] = True, False
-                st.class_version += 1
+                assert st.engine.all_synced and st.steps == 12
+                classes = dict(st.engine.classes, **{"layers.1.weight": "SYNC", "layers.2.weight": "LOCAL"})
+                st.engine.reconfigure(classes=classes)
             versions.append(st.class_version)
 
         losses = H.train(eng, 30, check=step_check)
@@ -137,9 +136,11 @@ def _checkpoint(rank, tmpdir):
 
     cases = {"hierarchical-z2": (2, H.topo_block("hierarchical")),
              "hierarchical-z3": (3, H.topo_block("hierarchical")),
-             "selective-z0": (0, H.topo_block("selective", local={"reconcile_interval": 3})),
+             "selective-z0": (0, H.topo_block("selective", local={"reconcile_interval": 3, "dtype": "fp16"})),
              "selective-z1": (1, H.topo_block("selective", local={"reconcile_interval": 3})),
-             "selective-z2": (2, H.topo_block("selective", local={"reconcile_interval": 3, "dtype": "fp16"}))}
+             "selective-z1-async": (1, H.topo_block("selective", local={"reconcile_interval": 3,
+                                                                        "async_reconcile": True})),
+             "selective-z2": (2, H.topo_block("selective", local={"reconcile_interval": 3}, sync={"dtype": "fp16"}))}
     res = {}
     for name, (stage, block) in cases.items():
         d = os.path.join(tmpdir, name)
@@ -175,7 +176,7 @@ def _overflow(rank):
         inject = {"on": False}
         if rank >= 2:
             model.layers[0].weight.register_hook(lambda g: g + float("inf") if inject["on"] else g)
-        cfg = H.ds_config(stage, clip=0.05, topo=H.topo_block("selective"),
+        cfg = H.ds_config(stage, clip=0.05, topo=H.topo_block("selective", local={"dtype": "bf16"}),
                           bf16={"enabled": True, "check_grad_overflow": True})
         eng = _engine(model, cfg, "adamw")
         recs: list = []
@@ -249,7 +250,176 @@ def _monitor_and_comms_logger(rank, tmpdir):
     for root, _dirs, names in os.walk(os.path.join(tmpdir, "csv")):
         files += [os.path.join(root, n) for n in names]
     topo_files = sorted(os.path.basename(f) for f in files if "TopoAlign" in f)
-    return {"ops": ops, "csv": topo_files, "loss": losses[-1], "stats": eng.topo_align_stats()["total"]}
+    return {"ops": ops, "csv": topo_files, "loss": losses[-1], "stats": eng.topo_align_stats()["total"]["bytes"]}
+
+class _CollectiveSpy:
+    """Records every torch.distributed collective issued on the adapter's own process groups, and
+    whether it ran inside ``reducer.collectives.run`` (the layer that names failures and books the
+    bytes; tensors are device-checked before it) and in which thread."""
+
+    OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather")
+
+    def __init__(self, groups, island_dp):
+        import threading
+
+        import torch.distributed as tdist
+
+        from topo_integrations.reducer import collectives as C
+
+        self.tdist, self.C = tdist, C
+        self.flag = threading.local()
+        # At ZeRO-1/2 selective the island group is DeepSpeed's own data-parallel group (mpu.py).
+        mine = {"inter": groups.inter, "intra_low": groups.intra_low, "inter_low": groups.inter_low}
+        if not island_dp:
+            mine["intra"] = groups.intra
+        self.mine = {id(g): k for k, g in mine.items() if g is not None}
+        self.calls: list = []
+        self._orig = {op: getattr(tdist, op) for op in self.OPS}
+        self._run = C.run
+
+    def __enter__(self):
+        import threading
+
+        spy = self
+
+        def run(*a, **kw):
+            spy.flag.inside = getattr(spy.flag, "inside", 0) + 1
+            try:
+                return spy._run(*a, **kw)
+            finally:
+                spy.flag.inside -= 1
+
+        def wrap(op, fn):
+            def call(*a, **kw):
+                group = kw.get("group")
+                if group is None:
+                    group = next((x for x in a[1:] if type(x).__name__ == "ProcessGroup"), None)
+                k = spy.mine.get(id(group)) if group is not None else None
+                if k is not None:
+                    spy.calls.append((op, k, getattr(spy.flag, "inside", 0) > 0, threading.current_thread().name))
+                return fn(*a, **kw)
+            return call
+
+        self.C.run = run
+        for op, fn in self._orig.items():
+            setattr(self.tdist, op, wrap(op, fn))
+        return self
+
+    def __exit__(self, *exc):
+        self.C.run = self._run
+        for op, fn in self._orig.items():
+            setattr(self.tdist, op, fn)
+
+
+def _async(rank):
+    """Asynchronous reconciliation at ZeRO-0 and ZeRO-1 selective: invariants every step, staleness 1,
+    all equal after a forced blocking reconciliation; every collective on the adapter's groups went
+    through reducer.collectives.run, and every LOCAL-class one ran on the engine's LOCAL worker."""
+    from topo_integrations.deepspeed import harness as H
+
+    res = {}
+    for stage in (0, 1):
+        block = H.topo_block("selective", sync={"top_fraction": 0.2},
+                             local={"reconcile_interval": 3, "async_reconcile": True})
+        eng = _engine(H.Net(), H.ds_config(stage, clip=0.05, topo=block), "adamw")
+        recs: list = []
+        with _CollectiveSpy(eng.topo_align.groups, eng.topo_align.island_dp) as spy:
+            losses = H.train(eng, 12, check=H.selective_checker(recs))
+            eng.topo_reconcile()
+        rows = H.gather_rows(H.flat_params(eng))
+        st = eng.topo_align
+        res[stage] = {"records": recs, "losses": losses, "max_staleness": st.engine.max_staleness,
+                      "reconciles": st.reconciles, "equal_after_forced": bool((rows == rows[0]).all()),
+                      "calls": len(spy.calls), "bypass": [c for c in spy.calls if not c[2]][:5],
+                      "local_threads": sorted({c[3] for c in spy.calls if c[1] in ("intra_low", "inter_low")})}
+        _reset_ds_globals()
+    return res
+
+
+def _adaptive(rank):
+    """adaptive.enabled at ZeRO-1 selective and ZeRO-2 hierarchical: force each level through the
+    controller (as tests/test_reliability.py does); invariants hold at every level."""
+    import torch
+
+    from topo_integrations.deepspeed import harness as H
+
+    res = {}
+    for stage, mode in ((1, "selective"), (2, "hierarchical")):
+        block = H.topo_block(mode, adaptive={"enabled": True, "check_interval": 1000})
+        if mode == "selective":
+            block["local"].update(async_reconcile=True, reconcile_interval=2)
+        eng = _engine(H.Net(), H.ds_config(stage, clip=0.05, topo=block), "adamw")
+        ctrl = eng.topo_align.engine.adaptive
+        out = {"levels": list(ctrl.policy.available), "runs": []}
+        step = 0
+        for level in list(range(len(ctrl.policy.available))) + [0]:
+            old = ctrl.policy.level
+            ctrl.policy.level = level
+            ctrl._apply(old, level, eng.optimizer)
+            recs: list = []
+            H.train(eng, 4, start=step, check=H.selective_checker(recs))
+            step += 4
+            e = eng.topo_align.engine
+            out["runs"].append({"level": ctrl.level, "H": e.reconcile_interval, "sync_dtype": str(e.sync_dtype),
+                                "records": recs})
+        eng.topo_reconcile()
+        rows = H.gather_rows(H.flat_params(eng))
+        out["equal_at_end"] = bool((rows == rows[0]).all())
+        out["finite"] = bool(torch.isfinite(rows).all())
+        res[(stage, mode)] = out
+        _reset_ds_globals()
+    return res
+
+
+def _drift_and_hutchinson(rank):
+    """Drift promotion at ZeRO-1 (the reconfigure listener rebuilds the partition slices) and at
+    ZeRO-0; hutchinson importance at ZeRO-2 from the model's own loss (forward pre-hook)."""
+    from topo_integrations.deepspeed import harness as H
+
+    res = {}
+    for stage in (0, 1):
+        block = H.topo_block("selective", local={"reconcile_interval": 2, "async_reconcile": True,
+                                                 "promote_drift_fraction": 0.5})
+        eng = _engine(H.Net(), H.ds_config(stage, clip=0.05, topo=block), "adamw")
+        before = dict(eng.topo_align.sync)
+        recs: list = []
+        H.train(eng, 12, check=H.selective_checker(recs))
+        st = eng.topo_align
+        res[("drift", stage)] = {"records": recs, "before": before, "after": dict(st.sync),
+                                 "promoted": sorted(st.engine.drift.promoted) if hasattr(st.engine.drift, "promoted")
+                                 else None, "history": len(st.engine.drift.history)}
+        _reset_ds_globals()
+    block = H.topo_block("selective", sync={"top_fraction": 0.3}, importance={"method": "hutchinson",
+                                                                              "refresh_interval": 4},
+                         local={"reconcile_interval": 2, "async_reconcile": True})
+    eng = _engine(H.Net(), H.ds_config(2, clip=0.05, topo=block), "adamw")
+    recs = []
+    losses = H.train(eng, 10, check=H.selective_checker(recs))
+    e = eng.topo_align.engine
+    res["hutchinson"] = {"records": recs, "losses": losses, "last_refresh": e.last_refresh,
+                         "seed": e.importance.hutchinson_seed, "sync": dict(eng.topo_align.sync)}
+    _reset_ds_globals()
+    return res
+
+
+def _stage3_scoped(rank):
+    """The ZeRO-3 dispatch is patched only while a topo_align optimizer's reduction runs: a stock
+    ZeRO-3 engine of the same process, before and after a topo_align one, is untouched."""
+    from deepspeed.runtime.comm import coalesced_collectives as cc
+    from deepspeed.runtime.zero import stage3
+
+    from topo_integrations.deepspeed import harness as H
+
+    original = stage3.reduce_scatter_coalesced
+    a = _engine(H.Net(), H.ds_config(3, clip=0.05), "adamw")
+    H.train(a, 4)
+    topo = _engine(H.Net(), H.ds_config(3, clip=0.05, topo=H.topo_block("hierarchical")), "adamw")
+    H.train(topo, 4)
+    after_topo = stage3.reduce_scatter_coalesced is original is cc.reduce_scatter_coalesced
+    b = _engine(H.Net(), H.ds_config(3, clip=0.05), "adamw")
+    H.train(b, 4)
+    return {"restored": after_topo, "stock_bitwise": bool((H.flat_params(a) == H.flat_params(b)).all()),
+            "topo_rs_bytes": topo.topo_align_stats()["total"]["bytes"]["inter"]["sync"]}
 
 
 def _rank_main(rank, world, tmpdir):
@@ -266,6 +436,10 @@ def _rank_main(rank, world, tmpdir):
     _section(out, "stock", _stock_when_disabled, rank)
     _section(out, "flat_topology", _flat_topology, rank)
     _section(out, "monitor", _monitor_and_comms_logger, rank, os.path.join(tmpdir, f"mon{rank}"))
+    _section(out, "async", _async, rank)
+    _section(out, "adaptive", _adaptive, rank)
+    _section(out, "drift_hutchinson", _drift_and_hutchinson, rank)
+    _section(out, "stage3_scoped", _stage3_scoped, rank)
     return out
 
 
@@ -342,7 +516,7 @@ def test_selective_invariants_every_step(world, stage):
 
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("case", ["hierarchical-z2", "hierarchical-z3", "selective-z0", "selective-z1",
-                                  "selective-z2"])
+                                  "selective-z1-async", "selective-z2"])
 def test_checkpoint_resume_equals_uninterrupted(world, case):
     for r, out in enumerate(world):
         rec = _ok(world, "checkpoint")[case] if r == 0 else out["checkpoint"][case]
@@ -384,10 +558,82 @@ def test_flat_topology_falls_back_or_refuses(world):
 @pytest.mark.timeout(1000)
 def test_monitor_scalars_and_comms_logger(world):
     rec = _ok(world, "monitor")
-    # The adapter's collectives go through deepspeed.comm, so comms_logger sees them: stock ZeRO-2
-    # issues no reduce_scatter_tensor (research/deepspeed.md 1.3); the hierarchical sum does.
-    assert "reduce_scatter_tensor" in rec["ops"] and "all_gather_into_tensor" in rec["ops"], rec["ops"]
-    assert rec["stats"].get("inter/sync/bytes", 0) > 0
+    # DeepSpeed's comms_logger still logs DeepSpeed's own collectives; the adapter's go through the
+    # shared reducer layer (reducer/collectives.py) and are counted in its statistics instead.
+    assert rec["ops"], rec["ops"]
+    assert rec["stats"]["inter"]["sync"] > 0 and rec["stats"]["intra"]["sync"] > rec["stats"]["inter"]["sync"]
     # Reducer statistics arrive in DeepSpeed's monitor (CSV backend here) as scalars.
     for tag in ("sync_fraction", "intra_sync_bytes", "inter_sync_bytes", "inter_sync_seconds"):
         assert any(tag in f for f in rec["csv"]), (tag, rec["csv"])
+
+
+def _invariants(records, what):
+    for s in records:
+        assert s["sync_equal"], f"{what}: SYNC params differ across ranks at step {s['step']}"
+        assert s["island_equal"], f"{what}: LOCAL params differ inside an island at step {s['step']}"
+        assert s["norm_agree"] and s["overflow_agree"], f"{what}: step {s['step']}: {s}"
+        if s["reconciled"]:
+            assert s["all_equal_after_reconcile"], f"{what}: replicas differ after reconciliation at step {s['step']}"
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("stage", (0, 1))
+def test_async_reconcile_invariants_staleness_and_collectives(world, stage):
+    rec = _ok(world, "async")[stage]
+    assert len(rec["records"]) == 12
+    _invariants(rec["records"], f"async ZeRO-{stage}")
+    # Reconciliations at 3, 6, 9, 12 started asynchronously: replicas differ right after them ...
+    assert not any(s["reconciled"] for s in rec["records"]), rec["records"]
+    assert max(s["local_spread"] for s in rec["records"]) > 1e-4
+    # ... each correction is applied one step after its snapshot, and a forced blocking one makes
+    # every parameter identical on all ranks.
+    assert rec["max_staleness"] == 1 and rec["reconciles"] == 5
+    assert rec["equal_after_forced"]
+    assert rec["losses"][-1] < rec["losses"][0]
+    # Nothing bypasses the device-checking layer; LOCAL-class collectives ran on the LOCAL worker.
+    assert rec["calls"] > 0 and rec["bypass"] == [], rec["bypass"]
+    assert rec["local_threads"] and all(t.startswith("topo_align_local") for t in rec["local_threads"]), rec
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("stage, mode", [(1, "selective"), (2, "hierarchical")])
+def test_adaptive_levels_keep_invariants(world, stage, mode):
+    rec = _ok(world, "adaptive")[(stage, mode)]
+    want = ["normal", "reconcile", "fp16"] if mode == "selective" else ["normal", "fp16"]
+    assert rec["levels"] == want
+    levels = [r["level"] for r in rec["runs"]]
+    assert levels == want + ["normal"]
+    for r in rec["runs"]:
+        _invariants(r["records"], f"adaptive {mode} level {r['level']}")
+        if r["level"] == "reconcile":
+            assert r["H"] == 8
+        if r["level"] == "fp16":
+            assert r["sync_dtype"] == "torch.float16"
+    assert rec["runs"][-1]["sync_dtype"] == "torch.float32" and rec["runs"][-1]["H"] == (2 if mode == "selective" else 4)
+    assert rec["equal_at_end"] and rec["finite"]
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("stage", (0, 1))
+def test_drift_promotion_rebuilds_the_layout(world, stage):
+    rec = _ok(world, "drift_hutchinson")[("drift", stage)]
+    _invariants(rec["records"], f"drift ZeRO-{stage}")
+    promoted = [n for n, s in rec["after"].items() if s and not rec["before"][n]]
+    assert promoted, rec
+    assert rec["history"] > 0
+    assert all(w["drift_hutchinson"][("drift", stage)]["after"] == rec["after"] for w in world)
+
+
+@pytest.mark.timeout(1000)
+def test_hutchinson_refresh_from_the_models_own_loss(world):
+    rec = _ok(world, "drift_hutchinson")["hutchinson"]
+    _invariants(rec["records"], "hutchinson ZeRO-2")
+    assert rec["last_refresh"] == 8 and rec["seed"] >= 2, rec  # refreshes at 4 and 8 ran the closure
+    assert all(w["drift_hutchinson"]["hutchinson"]["sync"] == rec["sync"] for w in world)
+    assert rec["losses"][-1] < rec["losses"][0]
+
+
+@pytest.mark.timeout(1000)
+def test_stage3_dispatch_is_scoped_to_its_optimizer(world):
+    rec = _ok(world, "stage3_scoped")
+    assert rec["restored"] and rec["stock_bitwise"] and rec["topo_rs_bytes"] > 0, rec

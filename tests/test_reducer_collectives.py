@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from topo_integrations.config import TopoAlignConfig
+from topo_integrations.reducer.groups import HOSTNAME_ENV, gather_hostnames_topology
 from topo_integrations.testing import WorldError, run_world
 from topo_integrations.topology import PlanError, plan_groups
-from topo_integrations.reducer.groups import HOSTNAME_ENV, gather_hostnames_topology
 
 pytestmark = pytest.mark.multirank
 
@@ -44,8 +44,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     """Run every collective on the layout of ``g``; return measured errors and flags."""
-    from topo_integrations.reducer.collectives import (agree_scalar, flat_all_reduce, hierarchical_all_reduce,
-                                                       intra_all_reduce, reconcile_average)
+    from topo_integrations.reducer.collectives import (
+        agree_scalar,
+        flat_all_reduce,
+        hierarchical_all_reduce,
+        intra_all_reduce,
+        reconcile_average,
+    )
 
     rank = dist.get_rank()
     world = dist.get_world_size()
@@ -152,7 +157,8 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     # 8. fp16 wire cannot overflow: values near fp16's max on every rank.
     x = torch.full((257,), 6.0e4) * (1 + 0.01 * torch.rand(257, generator=gen))
     exact = torch.stack(_gather_all(x.double())).mean(0)
-    y = hierarchical_all_reduce(x.clone(), g, inter_dtype=torch.float16, residual=torch.zeros(rail_numel(-(-257 // g.intra_size), g)))
+    res = torch.zeros(rail_numel(-(-257 // g.intra_size), g))
+    y = hierarchical_all_reduce(x.clone(), g, inter_dtype=torch.float16, residual=res)
     out["fp16_big_finite"] = bool(torch.isfinite(y).all())
     out["fp16_big_rel"] = _rel(y, exact)
     y = intra_all_reduce(x.clone(), g, wire_dtype=torch.float16)
@@ -185,8 +191,9 @@ def _rank_main(rank, world):
     g = build_groups(discover_plan(cfg), dp_ranks_all=[[0, 3, 2, 1]], timeout_s=60)
     res["C"] = collective_checks(g, 3)
     # ... and the reducer's invariant checks map gathered results back to DP positions
-    from test_reducer_modes import cfg_of, make, train
     from topo_integrations.reducer import GroupedReducer
+
+    from test_reducer_modes import cfg_of, make, train
 
     model = make(2)
     red = GroupedReducer(model, cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1, local__reconcile_interval=2,

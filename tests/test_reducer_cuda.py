@@ -18,8 +18,9 @@ pytestmark = [pytest.mark.multirank,
 def _rank_main(rank, world):
     import torch.distributed as dist
 
-    from test_reducer_modes import HOSTNAME_ENV, cfg_of, flat_params, loss_of, make, same_on
     from topo_integrations.reducer import GroupedReducer, build_groups, discover_plan
+
+    from test_reducer_modes import HOSTNAME_ENV, cfg_of, flat_params, make, same_on
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     g = build_groups(discover_plan(cfg_of()), timeout_s=120)

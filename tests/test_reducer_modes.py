@@ -286,7 +286,8 @@ def s_delta_reconcile(rank, world, groups):
         train(model, red, opt, rank, 0, 12, verify=True, on_step=lambda s, ph: ph == "after" and red.engine.drain())
         before = red.stats()["total"]["bytes"]["inter"]["reconcile"]
         red.reconcile(opt)
-        moments = torch.cat([opt.state[p][k].reshape(-1) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")])
+        moments = torch.cat([opt.state[p][k].reshape(-1) for p in model.parameters()
+                             for k in ("exp_avg", "exp_avg_sq")])
         out[name] = {"bytes": before, "same": same_on(list(range(world)), flat_params(model)),
                      "moments_same": same_on(list(range(world)), moments), "staleness": red.max_staleness,
                      "reconciles": red.engine.reconciles, "finite": bool(torch.isfinite(flat_params(model)).all())}
@@ -389,7 +390,7 @@ def s_agreement(rank, world, groups):
 
 def s_fallback(rank, world):
     """Single node: selective falls back to flat, logged once via the `topo_align` logger."""
-    from topo_integrations.reducer import GroupedReducer, build_groups, discover_plan
+    from topo_integrations.reducer import GroupedReducer, discover_plan
 
     records = []
 

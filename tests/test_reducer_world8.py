@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_reducer_collectives import assert_collectives, collective_checks
-from test_reducer_modes import cfg_of, flat_params, make, same_on, train
 from topo_integrations.reducer.groups import HOSTNAME_ENV, gather_hostnames_topology
 from topo_integrations.topology import PlanError, plan_groups
+
+from test_reducer_collectives import assert_collectives, collective_checks
+from test_reducer_modes import cfg_of, flat_params, make, same_on, train
 
 pytestmark = pytest.mark.multirank
 

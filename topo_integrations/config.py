@@ -1,4 +1,4 @@
-"""The ``"topo_align"`` block: one typed schema for DeepSpeed JSON, Megatron flags and the CLI.
+"""The ``"topo_align"`` block: one typed schema for every adapter's configuration and for the CLI.
 
 Every model forbids unknown keys and validates in strict mode (``"5"`` is not ``5``), so a typo
 in a config file is an error at start-up rather than a silently ignored setting. Each field's
@@ -269,32 +269,30 @@ class TopoAlignConfig(_Section):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> TopoAlignConfig:
-        """Read a JSON file holding the block, or a whole DeepSpeed config with a "topo_align" key."""
+        """Read a JSON file holding the block, or a framework config that holds it under a top-level
+        "topo_align" key (framework-specific readers live in the adapters, e.g. deepspeed/block.py)."""
         data = load_json_file(path, what="topo-align config")
         if isinstance(data, dict) and "topo_align" in data:
             return cls.from_block(data["topo_align"], where=f"{path}: topo_align")
         return cls.from_block(data, where=str(path))
 
-    @classmethod
-    def from_deepspeed_config(cls, ds_config: Any) -> TopoAlignConfig | None:
-        """The block of a DeepSpeed config (dict or path), or None when it has none."""
-        if isinstance(ds_config, (str, os.PathLike)):
-            ds_config = load_json_file(ds_config, what="DeepSpeed config")
-        if not isinstance(ds_config, dict) or "topo_align" not in ds_config:
-            return None
-        return cls.from_block(ds_config["topo_align"])
-
     def with_overrides(self, overrides: dict[str, Any]) -> TopoAlignConfig:
-        """A copy with dotted-key overrides applied, e.g. ``{"local.reconcile_interval": 8}``."""
-        data = self.model_dump()
+        """A copy with dotted-key overrides applied, e.g. ``{"local.reconcile_interval": 8}``.
+
+        Only the keys set before and the overridden ones count as set in the copy
+        (:meth:`explicit_keys`), so an adapter's refusal of a key never trips on a default."""
+        data = self.model_dump(exclude_unset=True)
         for dotted, value in overrides.items():
-            node = data
+            node, model = data, type(self)
             *parents, leaf = dotted.split(".")
             for key in parents:
-                if key not in node or not isinstance(node[key], dict):
+                field = model.model_fields.get(key)
+                sub = field.annotation if field is not None else None
+                if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
                     raise ConfigError(f"topo_align: unknown section {dotted!r} in override")
-                node = node[key]
-            if leaf not in node:
+                node = node.setdefault(key, {})
+                model = sub
+            if leaf not in model.model_fields:
                 raise ConfigError(f"topo_align: unknown field {dotted!r} in override")
             node[leaf] = value
         return TopoAlignConfig.from_block(data)

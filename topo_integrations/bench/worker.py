@@ -253,8 +253,7 @@ class _DeepSpeed(_Plain):
         else:
             from .. import deepspeed as tds
 
-            # The DeepSpeed adapter reconciles synchronously.
-            cfg["topo_align"] = _block(spec, topo_mode, async_reconcile=False)
+            cfg["topo_align"] = _block(spec, topo_mode, async_reconcile=spec["async_reconcile"])
             self.engine, self.opt, _, _ = tds.initialize(model=self.model, optimizer=self.opt, config=cfg)
         self.topo_mode = topo_mode
 

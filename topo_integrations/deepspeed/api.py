@@ -2,10 +2,11 @@
 
 What ``initialize`` does, in order:
   1. find the DeepSpeed config (``config``, ``config_params`` or ``args.deepspeed_config``) and read
-     its top-level ``"topo_align"`` block with ``TopoAlignConfig.from_deepspeed_config``: a bad block
+     its top-level ``"topo_align"`` block with :func:`.block.from_deepspeed_config`: a bad block
      raises ``ConfigError`` naming the field here, before DeepSpeed starts;
   2. no block, ``enabled: false`` or ``mode: flat``: call stock ``deepspeed.initialize`` unchanged;
-  3. refuse unsupported combinations (:mod:`.support`) and unknown DeepSpeed versions (:mod:`.compat`);
+  3. refuse unsupported combinations and ``topo_align`` keys the adapter cannot honour (:mod:`.support`)
+     and unknown DeepSpeed versions (:mod:`.compat`);
   4. on the CPU accelerator, skip the ``deepspeed_shm_comm`` JIT build; initialise torch.distributed
      through ``deepspeed.init_distributed``;
   5. discover the topology and plan (rank 0 plans, the plan is broadcast), build the groups. A plan
@@ -14,7 +15,8 @@ What ``initialize`` does, in order:
   6. selective at ZeRO-1/2: broadcast the model over the world, scale ``train_batch_size`` to one
      island and pass an island ``mpu`` (DeepSpeed's data-parallel group = the island);
   7. stock ``deepspeed.initialize``, then swap the engine's and the ZeRO optimizer's classes for
-     subclasses carrying the seams, and attach the state as ``engine.topo_align``.
+     subclasses carrying the seams, and attach the adapter (:class:`.adapter.DeepSpeedTopo`, which
+     owns the shared reducer Engine) as ``engine.topo_align``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 from typing import Any
 
 from ..config import TopoAlignConfig
+from .block import from_deepspeed_config
 from .support import UnsupportedConfigError, check_supported, zero_stage
 
 __all__ = ["initialize", "install", "uninstall", "installed", "read_block", "route_initialize"]
@@ -88,7 +91,7 @@ def _load(config) -> dict | None:
 def read_block(config) -> TopoAlignConfig | None:
     """The validated "topo_align" block of a DeepSpeed config (dict or path), None without one."""
     cfg = _load(config)
-    return TopoAlignConfig.from_deepspeed_config(cfg) if isinstance(cfg, dict) else None
+    return from_deepspeed_config(cfg) if isinstance(cfg, dict) else None
 
 
 def initialize(args: Any = None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -104,7 +107,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     # 1-2. The block.
     raw = _resolve_config(args, config, config_params)
     ds = _load(raw)
-    cfg = TopoAlignConfig.from_deepspeed_config(ds) if isinstance(ds, dict) else None
+    cfg = from_deepspeed_config(ds) if isinstance(ds, dict) else None
     if cfg is None or not cfg.enabled or cfg.mode == "flat":
         if cfg is not None:
             log.info("topo_align: %s; DeepSpeed reduces gradients itself",
@@ -184,7 +187,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
 
     # 7. The engine and its seams.
     engine, opt, loader, sched = _call_stock(stock, kwargs)
-    _attach(engine, cfg, groups, stage, island_dp)
+    _attach(engine, cfg, groups, stage, island_dp, ds)
     if island_dp and training_data is not None:
         from torch.utils.data.distributed import DistributedSampler
 
@@ -194,20 +197,21 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     return engine, engine.optimizer, loader, sched
 
 
-def _attach(engine, cfg: TopoAlignConfig, groups, stage: int, island_dp: bool) -> None:
-    from .engine import TopoAlignEngineMixin
-    from .state import TopoAlignState
-    from .zero import (HierarchicalStage3Mixin, HierarchicalZeroMixin, SelectiveZeroMixin,
-                       install_stage3_dispatch, swap_class)
+def _attach(engine, cfg: TopoAlignConfig, groups, stage: int, island_dp: bool, ds: dict) -> None:
+    import torch.distributed as tdist
 
-    st = TopoAlignState.create(cfg, groups, stage, engine.module)
-    if cfg.local.async_reconcile and cfg.mode == "selective":
-        log.warning("topo_align: local.async_reconcile is not implemented by the DeepSpeed adapter; "
-                    "reconciling synchronously every %d steps", cfg.local.reconcile_interval)
+    from .adapter import DeepSpeedTopo
+    from .engine import TopoAlignEngineMixin
+    from .support import ds_communication_dtype
+    from .zero import HierarchicalStage3Mixin, HierarchicalZeroMixin, SelectiveZeroMixin, swap_class
+
+    st = DeepSpeedTopo(cfg, groups, stage, engine.module, island_dp=island_dp)
+    if island_dp and "local.dtype" not in cfg.explicit_keys() and tdist.get_rank() == 0:
+        log.info("topo_align: selective at ZeRO-%d: DeepSpeed reduces LOCAL gradients inside the island in its "
+                 "communication dtype (%s); local.dtype applies at ZeRO-0 only", stage, ds_communication_dtype(ds))
     swap_class(engine, TopoAlignEngineMixin)
     engine.topo_align = st
     opt = engine.optimizer
-    st.engine_reduces = stage == 0
     if stage in (1, 2):
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -225,10 +229,9 @@ def _attach(engine, cfg: TopoAlignConfig, groups, stage: int, island_dp: bool) -
             swap_class(opt, SelectiveZeroMixin if island_dp else HierarchicalZeroMixin)
             opt.topo_align = st
         if island_dp:
-            names = {id(p): n for n, p in engine.module.named_parameters()}
-            opt.topo_align_param_names = names
+            opt.topo_align_param_names = {id(p): n for n, p in engine.module.named_parameters()}
+            st.engine.on_reconfigure(opt.topo_reconfigured)
     elif stage == 3:
-        install_stage3_dispatch()
         swap_class(opt, HierarchicalStage3Mixin)
         opt.topo_align = st
 
@@ -260,9 +263,6 @@ def uninstall() -> None:
 
     if "initialize" in _ORIGINAL:
         deepspeed.initialize = _ORIGINAL.pop("initialize")
-    from .zero import uninstall_stage3_dispatch
-
-    uninstall_stage3_dispatch()
 
 
 def installed() -> bool:

@@ -3,16 +3,18 @@
 The engine returned by ``deepspeed.initialize`` gets a subclass of its own class with
 :class:`TopoAlignEngineMixin` first in the MRO (``engine.__class__`` swap after construction: the
 reduction, the step and the checkpoint calls all happen later, research/deepspeed.md 1.5 (b)). So a
-``DeepSpeedHybridEngine`` or any other engine class keeps its own behaviour.
+``DeepSpeedHybridEngine`` or any other engine class keeps its own behaviour. Every decision is the
+shared Engine's (``engine.topo_align.engine``, adapter.py); the seams map DeepSpeed's buffers onto it.
 
 * ZeRO-0 `hierarchical`: ``allreduce_bucket`` keeps DeepSpeed's scaling semantics and replaces only
-  the ``dist.all_reduce`` of each dtype bucket by the hierarchical one.
+  the ``dist.all_reduce`` of each dtype bucket by ``Wire.hierarchical_``.
 * ZeRO-0 `selective`: ``buffered_allreduce_fallback`` routes SYNC gradients hierarchically and LOCAL
-  gradients inside the island; ``clip_fp32_gradients`` clips with one global norm.
-* All stages: ``step`` counts optimizer steps, reconciles LOCAL replicas every
-  ``local.reconcile_interval`` steps, refreshes classes, and reports statistics to DeepSpeed's
-  monitor; ``save_checkpoint`` reconciles first and writes the adapter state per rank;
-  ``load_checkpoint`` restores it.
+  gradients inside the island (on the engine's LOCAL worker); ``clip_fp32_gradients`` clips with one
+  global norm.
+* All stages: ``step`` hands every optimizer step to ``Engine.after_step`` (reconciliation, possibly
+  asynchronous, class refresh, drift promotion, adaptive levels) and reports statistics to
+  DeepSpeed's monitor; ``save_checkpoint`` reconciles (blocking) first and writes the adapter state
+  per rank; ``load_checkpoint`` restores it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import os
 import torch
 import torch.distributed as tdist
 
-from .zero import covers_dp
+from ..reducer.classes import LOCAL
+from ..reducer.importance import Importance
 
 __all__ = ["TopoAlignEngineMixin", "STATE_FILE"]
 
@@ -39,23 +42,28 @@ class TopoAlignEngineMixin:
 
     def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         st = self.topo_align
-        if st is None or not st.engine_reduces or not covers_dp(st, dp_group):
+        if st is None or not st.engine_reduces or not st.covers_dp(dp_group):
             return super().allreduce_bucket(bucket, dp_group, dp_world_size)
         tensor = self.flatten(bucket)
         t = tensor if self.communication_data_type == tensor.dtype else tensor.to(self.communication_data_type)
         if dp_world_size is None:
             dp_world_size = tdist.get_world_size(group=dp_group)
+        e = st.engine
+
+        def hsum():
+            e.wire.hierarchical_(t, key=st.key("bucket"), wire=e.sync_dtype, average=False)
+
         if not self.gradient_average:
-            st.wire.hierarchical_sum_(t)
+            hsum()
         elif self.postscale_gradients():
             if self.gradient_predivide_factor() != 1.0:
                 t.mul_(1.0 / self.gradient_predivide_factor())
-            st.wire.hierarchical_sum_(t)
+            hsum()
             if self.gradient_predivide_factor() != dp_world_size:
                 t.mul_(self.gradient_predivide_factor() / dp_world_size)
         else:
             t.mul_(1.0 / dp_world_size)
-            st.wire.hierarchical_sum_(t)
+            hsum()
         if t is not tensor:
             tensor.copy_(t)
         return tensor
@@ -64,51 +72,57 @@ class TopoAlignEngineMixin:
 
     def buffered_allreduce_fallback(self, grads=None, elements_per_buffer=500000000):
         """SYNC: hierarchical mean over all ranks (wire ``sync.dtype`` across islands); LOCAL: mean
-        inside the island (wire ``local.dtype``, error feedback). One flat buffer per class and
-        dtype, in registration order, so every rank issues the same collectives in the same order."""
+        inside the island (wire ``local.dtype``, error feedback) on the engine's LOCAL worker. One flat
+        buffer per class and dtype, in registration order, so every rank issues the same collectives
+        in the same order."""
         st = self.topo_align
         if st is None or not st.selective or grads is not None or self.has_moe_layers:
             return super().buffered_allreduce_fallback(grads, elements_per_buffer)
+        e = st.engine
         sync, local = {}, {}
-        for name, p in self.module.named_parameters():
-            if not p.requires_grad or p.numel() == 0:
+        for name, p in st.params.items():
+            if p.numel() == 0:
                 continue
             if p.grad is None:
                 # As DeepSpeed does: every rank must reduce the same sizes.
                 p.grad = torch.zeros_like(p)
-            (sync if st.sync[name] else local).setdefault(p.grad.dtype, []).append((name, p.grad))
-        world, k = st.groups.dp_size, st.groups.intra_size
+            (sync if e.is_sync(name) else local).setdefault(p.grad.dtype, []).append((name, p.grad))
         for dtype in sorted(sync, key=str):
             items = sync[dtype]
             flat = torch.cat([g.reshape(-1) for _, g in items])
-            st.wire.hierarchical_sum_(flat, cls="sync").div_(world)
+            e.wire.hierarchical_(flat, key=f"sync/{dtype}", wire=e.sync_dtype)
             self._topo_unflatten(items, flat)
         for dtype in sorted(local, key=str):
             items = local[dtype]
             flat = torch.cat([g.reshape(-1) for _, g in items])
-            st.wire.intra_sum_(flat, wire_dtype=st.local_dtype, cls="local").div_(k)
+            e.run(LOCAL, lambda flat=flat, dtype=dtype: e.wire.intra_(flat, key=f"local/{dtype}", wire=e.local_dtype))
             self._topo_unflatten(items, flat)
+        if e.tracks_fisher:
+            names = [n for items in list(sync.values()) + list(local.values()) for n, _ in items]
+            e.observe(names, Importance.grad_sq_sums([st.params[n] for n in names]))
 
-    def _topo_unflatten(self, items, flat):
-        st = self.topo_align
+    @staticmethod
+    def _topo_unflatten(items, flat):
         off = 0
-        for name, g in items:
+        for _name, g in items:
             n = g.numel()
-            piece = flat[off:off + n]
-            g.view(-1).copy_(piece)
-            st.observe(name, float(piece.float().pow(2).sum()))
+            g.view(-1).copy_(flat[off:off + n])
             off += n
 
     def clip_fp32_gradients(self):
         """One clip factor on every rank: norm^2 = mean over ranks of the local norm^2
-        (= |g_SYNC|^2 + mean over islands of |g_LOCAL|^2); one fp64 all-reduce over the DP group."""
+        (= |g_SYNC|^2 + mean over islands of |g_LOCAL|^2); one fp64 all-reduce over the DP group
+        on the communication device (Engine.global_grad_norm_sq)."""
         st = self.topo_align
         if st is None or not st.selective:
             return super().clip_fp32_gradients()
+        e = st.engine
         params = [p for p in self.module.parameters() if p.grad is not None]
-        sq = torch.tensor([sum(float(p.grad.detach().float().pow(2).sum()) for p in params)], dtype=torch.float64)
-        st.wire.agree_(sq, "sum")
-        norm = float(torch.sqrt(sq / st.groups.dp_size))
+        sq = e.wire.tensor([0.0])
+        if params:
+            sq += torch.stack([p.grad.detach().double().pow(2).sum() for p in params]).sum().to(sq.device)
+        norm_t = e.global_grad_norm_sq(sq).sqrt()
+        norm = float(norm_t.item())
         st.last_clip_norm = norm
         self._global_grad_norm = norm
         coef = min(1.0, self.gradient_clipping() / (norm + 1e-6))
@@ -119,80 +133,48 @@ class TopoAlignEngineMixin:
 
     # -- the step schedule ------------------------------------------------------------------------
 
+    def _topo_source(self):
+        st = self.topo_align
+        if st.island_dp:
+            return self.optimizer.topo_reconcile_source()
+        if st.selective:
+            return st.param_source(self.optimizer)
+        return None
+
     def step(self, lr_kwargs=None):
         boundary = self.is_gradient_accumulation_boundary()
         out = super().step(lr_kwargs)
         st = self.topo_align
         if st is not None and boundary:
-            self._topo_after_step()
+            st.after_step(self._topo_source(), self.optimizer)
+            if self.monitor.enabled and st.steps % st.cfg.monitor.log_interval == 0:
+                self.monitor.write_events(st.monitor_events(self.global_samples))
         return out
-
-    def _topo_after_step(self) -> None:
-        st = self.topo_align
-        st.steps += 1
-        st.wire.begin_step()
-        if st.selective and st.steps - st.last_reconcile >= st.cfg.local.reconcile_interval:
-            self.topo_reconcile()
-        step_stats = st.wire.stats.end_step()
-        if self.monitor.enabled and st.steps % st.cfg.monitor.log_interval == 0:
-            self._topo_write_monitor(step_stats)
 
     @torch.no_grad()
     def topo_reconcile(self) -> None:
-        """Make every replica identical (all ranks call it; blocking).
-
-        ZeRO-0: LOCAL parameters and their optimizer-state tensors (e.g. Adam exp_avg, exp_avg_sq)
-        are averaged across islands in one flat buffer per dtype (Wire.reconcile_mean_: 1/k per
-        island member over the rail, then an island all-gather). ZeRO-1/2: the optimizer averages
-        its LOCAL master and moment slices (SelectiveZeroMixin.topo_reconcile).
-        Then classes are refreshed when due (only here, when replicas agree).
-        """
+        """Make every replica identical now (all ranks call it; blocking): applies a pending
+        asynchronous correction, then averages the LOCAL tensors (Engine.reconcile). Use before
+        evaluation; ``save_checkpoint`` calls it."""
         st = self.topo_align
-        if not st.selective:
-            return
-        if st.stage == 0:
-            by_dtype: dict = {}
-            state = getattr(self.optimizer, "state", {})
-            for name, p in self.module.named_parameters():
-                if not p.requires_grad or st.sync[name]:
-                    continue
-                by_dtype.setdefault(p.dtype, []).append(p.data)
-                s = state.get(p, {})
-                for key in sorted(s):
-                    v = s[key]
-                    if torch.is_tensor(v) and v.shape == p.shape and v.is_floating_point():
-                        by_dtype.setdefault(v.dtype, []).append(v)
-            for dtype in sorted(by_dtype, key=str):
-                ts = by_dtype[dtype]
-                flat = torch.cat([t.reshape(-1) for t in ts])
-                st.wire.reconcile_mean_(flat)
-                off = 0
-                for t in ts:
-                    t.view(-1).copy_(flat[off:off + t.numel()])
-                    off += t.numel()
-        else:
-            self.optimizer.topo_reconcile()
-        st.last_reconcile = st.steps
-        st.reconciles += 1
-        if st.refresh_due():
-            st.refresh_classes(self.module)
+        if st is not None and st.selective:
+            st.engine.reconcile(self._topo_source(), blocking=True)
 
-    def _topo_write_monitor(self, step_stats: dict) -> None:
-        st = self.topo_align
-        x = self.global_samples
-        events = [(f"TopoAlign/{k}", float(v), x) for k, v in sorted(step_stats.items())]
-        events.append(("TopoAlign/sync_fraction", float(st.sync_fraction()), x))
-        events.append(("TopoAlign/reconciles", float(st.reconciles), x))
-        if st.last_clip_norm is not None:
-            events.append(("TopoAlign/clip_norm", float(st.last_clip_norm), x))
-        self.monitor.write_events(events)
+    def topo_set_loss_closure(self, fn) -> None:
+        """The loss closure ``importance.method = "hutchinson"`` differentiates at each class refresh
+        (default: the model's own output on the last recorded micro-batch)."""
+        self.topo_align.set_user_closure(fn)
 
     def topo_align_stats(self) -> dict:
+        """The engine's statistics (bytes/calls/seconds per tier and class: last step and total),
+        classes, counters, plus the ZeRO stage and the plan."""
+        return self.topo_align.stats()
+
+    def destroy(self):
         st = self.topo_align
-        snap = st.wire.stats.snapshot()
-        snap.update(mode=st.mode, stage=st.stage, steps=st.steps, reconciles=st.reconciles,
-                    sync_fraction=st.sync_fraction(), plan_reason=st.groups.plan.reason)
-        return snap
+        if st is not None:
+            st.close()
+        return super().destroy()
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -205,8 +187,7 @@ class TopoAlignEngineMixin:
         st = self.topo_align
         if st is None:
             return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        if st.selective:
-            self.topo_reconcile()
+        self.topo_reconcile()
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         flags = (self.save_non_zero_checkpoint, self.save_zero_checkpoint)
         if st.selective and st.stage in (1, 2) and st.groups.group_index != 0:

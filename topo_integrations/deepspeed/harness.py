@@ -174,7 +174,7 @@ def selective_checker(records: list):
         islands = gather_rows(isl).reshape(-1).tolist()
         sync_equal = bool((s_rows == s_rows[0]).all())
         island_equal = all(bool((l_rows[r] == l_rows[islands.index(islands[r])]).all()) for r in range(len(islands)))
-        reconciled = st.last_reconcile == st.steps
+        reconciled = st.engine.all_synced  # a blocking reconciliation ended this step
         all_equal = bool((l_rows == l_rows[0]).all())
         norm = torch.tensor([st.last_clip_norm if st.last_clip_norm is not None else -1.0], dtype=torch.float64)
         norms = gather_rows(norm).reshape(-1)

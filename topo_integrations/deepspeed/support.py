@@ -1,15 +1,22 @@
 """Which DeepSpeed settings the adapter drives, checked before any engine is built.
 
-Each refusal names the combination and says what to use instead; they are raised from
-``topo_integrations.deepspeed.initialize`` before DeepSpeed builds anything, so a misconfigured job
-fails in its first seconds, not after loading a model onto a thousand GPUs.
+Two kinds of refusal, both raised from ``topo_integrations.deepspeed.initialize`` before DeepSpeed
+builds anything (a misconfigured job fails in its first seconds, not after loading a model onto a
+thousand GPUs), each naming what is refused and what to use instead:
+
+* combinations of DeepSpeed settings the adapter does not drive (:func:`check_supported`);
+* ``topo_align`` keys the DeepSpeed adapter cannot honour: :data:`KEY_REFUSALS`, the one table of
+  them. A key is refused only when the user set it (``TopoAlignConfig.explicit_keys()``); what
+  happens to its default instead is documented in docs/deepspeed.md ("Keys").
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-__all__ = ["UnsupportedConfigError", "check_supported", "zero_stage"]
+__all__ = ["UnsupportedConfigError", "check_supported", "check_keys", "zero_stage", "KEY_REFUSALS",
+           "ds_communication_dtype"]
 
 
 class UnsupportedConfigError(ValueError):
@@ -27,8 +34,74 @@ def _enabled(ds: dict, key: str) -> bool:
     return isinstance(block, dict) and bool(block.get("enabled", False))
 
 
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def ds_communication_dtype(ds: dict) -> str:
+    """The dtype DeepSpeed reduces gradients in (``DeepSpeedEngine.communication_data_type``):
+    ``communication_data_type`` when set, else fp16 / bf16 when enabled, else fp32."""
+    comm = ds.get("communication_data_type")
+    if isinstance(comm, str) and comm.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[comm.lower()]
+    if _enabled(ds, "fp16"):
+        return "fp16"
+    if _enabled(ds, "bf16"):
+        return "bf16"
+    return "fp32"
+
+
+@dataclass(frozen=True)
+class KeyRefusal:
+    key: str
+    """Dotted ``topo_align`` key, refused only when the user set it."""
+    applies: Callable[[dict, Any], bool]
+    """(DeepSpeed config, TopoAlignConfig) -> whether the adapter cannot honour the key's value here."""
+    why: Callable[[dict, Any], str]
+    instead: Callable[[dict, Any], str]
+
+
+def _island_dp(ds: dict, cfg) -> bool:
+    return cfg.mode == "selective" and zero_stage(ds) in (1, 2)
+
+
+KEY_REFUSALS: tuple[KeyRefusal, ...] = (
+    KeyRefusal(
+        "communication.bucket_size_mb", lambda ds, cfg: True,
+        lambda ds, cfg: "DeepSpeed builds and owns the gradient buckets the adapter reduces",
+        lambda ds, cfg: "set zero_optimization.reduce_bucket_size (elements) in the DeepSpeed config instead"),
+    KeyRefusal(
+        "communication.overlap", lambda ds, cfg: True,
+        lambda ds, cfg: "DeepSpeed decides when its buckets are reduced during backward",
+        lambda ds, cfg: "set zero_optimization.overlap_comm in the DeepSpeed config instead"),
+    KeyRefusal(
+        "local.dtype", lambda ds, cfg: _island_dp(ds, cfg) and cfg.local.dtype != ds_communication_dtype(ds),
+        lambda ds, cfg: ("at ZeRO-1/2 `selective` DeepSpeed reduces the LOCAL gradients inside the island itself, "
+                         f"in its communication dtype ({ds_communication_dtype(ds)})"),
+        lambda ds, cfg: (f"remove local.dtype (or set it to '{ds_communication_dtype(ds)}'), or set DeepSpeed's "
+                         f"communication_data_type to '{cfg.local.dtype}'")),
+)
+"""Every ``topo_align`` key the DeepSpeed adapter refuses, and when (docs/deepspeed.md, "Keys")."""
+
+
+def check_keys(ds: dict, cfg) -> None:
+    """Raise :class:`UnsupportedConfigError` for the first key of :data:`KEY_REFUSALS` the user set
+    and the adapter cannot honour in this configuration."""
+    if cfg.mode == "flat" or not cfg.enabled:
+        return
+    explicit = cfg.explicit_keys()
+    for r in KEY_REFUSALS:
+        if r.key in explicit and r.applies(ds, cfg):
+            section, field = r.key.split(".")
+            value = getattr(getattr(cfg, section), field)
+            raise UnsupportedConfigError(
+                f"topo_align.{r.key} = {value!r} is not supported by the DeepSpeed adapter "
+                f"(mode {cfg.mode!r}, ZeRO stage {zero_stage(ds)}): {r.why(ds, cfg)}; {r.instead(ds, cfg)}")
+
+
 def check_supported(ds: dict, cfg, *, model: Any = None, mpu: Any = None) -> None:
-    """Raise :class:`UnsupportedConfigError` for a combination the adapter does not drive."""
+    """Raise :class:`UnsupportedConfigError` for a combination the adapter does not drive, then for a
+    refused key (:func:`check_keys`)."""
     mode = cfg.mode
     stage = zero_stage(ds)
     zero = ds.get("zero_optimization") or {}
@@ -69,10 +142,6 @@ def check_supported(ds: dict, cfg, *, model: Any = None, mpu: Any = None) -> Non
                    "use ZeRO stage 2, or drop data_types.grad_accum_dtype")
         if stage in (1, 2) and (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None):
             refuse("selective with offload_optimizer", "use mode 'hierarchical' with optimizer offload")
-        if cfg.importance.method == "hutchinson":
-            refuse("importance.method 'hutchinson' in the DeepSpeed adapter (it needs a loss closure "
-                   "DeepSpeed's engine does not expose)", "use importance.method 'fisher' or 'magnitude'")
         if model is not None and any(getattr(p, "allreduce", True) is False for p in model.parameters()):
             refuse("selective with MoE expert parameters", "use mode 'hierarchical' for MoE models")
-    if cfg.adaptive.enabled:
-        refuse("adaptive.enabled = true in the DeepSpeed adapter", "set adaptive.enabled to false")
+    check_keys(ds, cfg)

@@ -1,47 +1,48 @@
 """Seams in DeepSpeed's ZeRO optimizers (research/deepspeed.md 1.3-1.5, deepspeed-selective.md 2).
 
+Every collective and every decision goes through the shared Engine (``self.topo_align.engine``);
+these mixins only map DeepSpeed's buffers onto it.
+
 * ZeRO-1/2 `hierarchical`: :class:`HierarchicalZeroMixin` overrides the two methods every stage-1/2
   gradient collective goes through, ``allreduce_bucket`` and ``gradient_reduction_w_predivide``,
   keeping DeepSpeed's divide / predivide / postscale / dtype semantics and replacing only the
-  ``dist.all_reduce`` by the hierarchical one. A reduce-to-owner call (``rank`` given) is served by a
-  full hierarchical all-reduce, a correct superset (only the owner's copy is used).
-* ZeRO-1/2 `selective`: DeepSpeed's data-parallel group is the island (an mpu, see
-  :mod:`.mpu`), so ZeRO reduces every gradient inside the island and keeps one optimizer-state shard
-  per island member, exactly like HSDP. :class:`SelectiveZeroMixin` adds the cross-island step:
-  SYNC slices of the averaged gradient partition are all-reduced over the rail before the step; the
-  clip norm and the overflow flag are made global; every H steps the LOCAL slices of the fp32 master
-  partition and of the optimizer moments are averaged over the rail and the island re-gathers its
-  bit16 parameters (docs/deepspeed.md, "selective at ZeRO-1/2").
+  ``dist.all_reduce`` by ``Wire.hierarchical_``. A reduce-to-owner call (``rank`` given) is served by
+  a full hierarchical all-reduce, a correct superset (only the owner's copy is used).
+* ZeRO-1/2 `selective`: DeepSpeed's data-parallel group is the island (an mpu, see :mod:`.mpu`), so
+  ZeRO reduces every gradient inside the island and keeps one optimizer-state shard per island
+  member, exactly like HSDP. :class:`SelectiveZeroMixin` adds the cross-island step: SYNC slices of
+  the averaged gradient partition go over the rail before the step (``Wire.rail_``); the clip norm
+  and the overflow flag are made global; the reconcile source (:class:`PartitionSource`) hands the
+  engine the LOCAL slices of the fp32 master partition and of the optimizer moments, and
+  ``update_lp_params`` re-gathers the island's bit16 parameters after they changed.
 * ZeRO-3 `hierarchical`: :class:`HierarchicalStage3Mixin` wraps the name-mangled
-  ``__avg_scatter_grads`` so that, while it runs, the ``reduce_scatter_coalesced`` it calls (the
-  module global of ``deepspeed.runtime.zero.stage3``, replaced once by :func:`install_stage3_dispatch`)
-  is served by :meth:`Wire.reduce_scatter_coalesced` for this optimizer's groups.
+  ``__avg_scatter_grads``; only while it runs (and only in the calling thread) the module global
+  ``stage3.reduce_scatter_coalesced`` it calls is served by :func:`reduce_scatter_coalesced`. The
+  global is restored when the call returns, so another DeepSpeed engine of the process never sees it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import math
 
 import torch
 import torch.distributed as tdist
 
-__all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mixin",
-           "install_stage3_dispatch", "uninstall_stage3_dispatch", "covers_dp", "swap_class"]
+from ..reducer.engine import ReconcileItem, _is_second_moment
 
-
-def covers_dp(st, group) -> bool:
-    """Whether ``group`` is the data-parallel group the adapter's groups were planned for."""
-    cache = st.__dict__.setdefault("_covers", {})
-    key = id(group)
-    if key not in cache:
-        ranks = tuple(tdist.get_process_group_ranks(group)) if group is not None else tuple(range(tdist.get_world_size()))
-        cache[key] = tuple(sorted(ranks)) == tuple(sorted(st.groups.dp_ranks))
-    return cache[key]
+__all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mixin", "PartitionSource",
+           "reduce_scatter_coalesced", "swap_class"]
 
 
 # ---------------------------------------------------------------------------------------------
 # ZeRO-1/2 hierarchical
 # ---------------------------------------------------------------------------------------------
+
+def _hsum(st, t: torch.Tensor) -> None:
+    e = st.engine
+    e.wire.hierarchical_(t, key=st.key("bucket"), wire=e.sync_dtype, average=False)
+
 
 class HierarchicalZeroMixin:
     """Stage 1/2 `hierarchical` (see module docstring)."""
@@ -52,7 +53,7 @@ class HierarchicalZeroMixin:
                          process_group=None):
         st = self.topo_align
         group = self.dp_process_group if process_group is None else process_group
-        if st is None or not covers_dp(st, group):
+        if st is None or not st.covers_dp(group):
             return super().allreduce_bucket(bucket, communication_data_type, rank, log, divide, process_group)
         from deepspeed.runtime.zero import stage_1_and_2 as s12
 
@@ -62,28 +63,28 @@ class HierarchicalZeroMixin:
         t = tensor if communication_data_type == tensor.dtype else tensor.to(communication_data_type)
         if divide and self.gradient_average:
             t.div_(tdist.get_world_size(group=group) / float(self.sequence_parallel_size))
-        st.wire.hierarchical_sum_(t)
+        _hsum(st, t)
         if t is not tensor:
             tensor.copy_(t)
         return t
 
     def gradient_reduction_w_predivide(self, tensor, communication_data_type: torch.dtype):
         st = self.topo_align
-        if st is None or tensor.numel() == 0 or not covers_dp(st, self.dp_process_group):
+        if st is None or tensor.numel() == 0 or not st.covers_dp(self.dp_process_group):
             return super().gradient_reduction_w_predivide(tensor, communication_data_type)
         dp = tdist.get_world_size(group=self.dp_process_group)
         t = tensor if communication_data_type == tensor.dtype else tensor.to(communication_data_type)
         if not self.gradient_average:
-            st.wire.hierarchical_sum_(t)
+            _hsum(st, t)
         elif self.postscale_gradients:
             if self.gradient_predivide_factor != 1.0:
                 t.mul_(1.0 / self.gradient_predivide_factor)
-            st.wire.hierarchical_sum_(t)
+            _hsum(st, t)
             if self.gradient_predivide_factor != dp:
                 t.mul_(self.gradient_predivide_factor / (dp / float(self.sequence_parallel_size)))
         else:
             t.div_(dp / float(self.sequence_parallel_size))
-            st.wire.hierarchical_sum_(t)
+            _hsum(st, t)
         if t is not tensor:
             tensor.copy_(t)
         return t
@@ -94,33 +95,68 @@ class HierarchicalZeroMixin:
 # ---------------------------------------------------------------------------------------------
 
 _ACTIVE_STAGE3 = contextvars.ContextVar("topo_align_stage3", default=None)
-_ORIGINAL_RS = {}
+"""(adapter, DeepSpeed's reduce_scatter_coalesced) while a topo_align stage-3 optimizer's
+``__avg_scatter_grads`` runs in this thread; None elsewhere."""
 
 
-def _stage3_reduce_scatter_coalesced(tensors, group=None):
-    """Replacement of ``stage3.reduce_scatter_coalesced``: hierarchical for an optimizer of the
-    adapter whose partition group is the planned DP group, DeepSpeed's own otherwise."""
-    st = _ACTIVE_STAGE3.get()
-    if st is not None and covers_dp(st, group):
-        return st.wire.reduce_scatter_coalesced(list(tensors), tdist.get_world_size(group), tdist.get_rank(group))
-    return _ORIGINAL_RS["fn"](tensors, group)
+def reduce_scatter_coalesced(tensors, group=None):
+    """ZeRO-3's ``reduce_scatter_coalesced`` contract, hierarchically, for the active adapter.
 
+    Contract (DeepSpeed ``runtime/comm/coalesced_collectives.py``): each tensor is cut into ``world``
+    chunks of ``ceil(numel/world)``; DP rank j gets, for every tensor, the sum over all ranks of
+    chunk j divided by ``world``. Returned: my chunk of each tensor (unpadded).
 
-def install_stage3_dispatch() -> None:
-    """Replace the module global once per process (idempotent; delegates when no adapter is active)."""
-    from deepspeed.runtime.zero import stage3
-
-    if stage3.reduce_scatter_coalesced is _stage3_reduce_scatter_coalesced:
-        return
-    _ORIGINAL_RS["fn"] = stage3.reduce_scatter_coalesced
-    stage3.reduce_scatter_coalesced = _stage3_reduce_scatter_coalesced
-
-
-def uninstall_stage3_dispatch() -> None:
-    from deepspeed.runtime.zero import stage3
-
-    if stage3.reduce_scatter_coalesced is _stage3_reduce_scatter_coalesced:
-        stage3.reduce_scatter_coalesced = _ORIGINAL_RS.pop("fn")
+    Phases:
+      1. build a buffer of ``world`` slots (slot j = chunk j of every tensor, padded), pre-divided by
+         ``world``, ordered rail by rail: island member s's part holds the slots of the ranks on its
+         rail, in rail order;
+      2. island reduce-scatter (``Wire.reduce_scatter_intra_``): member s gets its rail's slots summed
+         over the island;
+      3. rail all-reduce of those slots (``Wire.rail_``, wire ``communication.inter_dtype`` with error
+         feedback); each rank keeps its own slot.
+    The slow tier carries the island's 1/k of the buffer (the Wire has no rail reduce-scatter, so the
+    rail step is an all-reduce: twice a reduce-scatter's bytes on that hop).
+    """
+    active = _ACTIVE_STAGE3.get()
+    if active is None or not active[0].covers_dp(group):
+        original = active[1] if active is not None else None
+        if original is None:
+            from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced as original
+        return original(tensors, group)
+    st = active[0]
+    e, g = st.engine, st.groups
+    tensors = list(tensors)
+    world, my_rank = tdist.get_world_size(group), tdist.get_rank(group)
+    chunk = [math.ceil(t.numel() / world) for t in tensors]
+    slot = sum(chunk)
+    dtype = tensors[0].dtype
+    dp_pos = {r: i for i, r in enumerate(g.dp_ranks)}
+    rails = {}
+    for rail in g.plan.inter_groups:
+        members = sorted(g.dp_ranks[p] for p in rail)
+        for m in members:
+            rails[m] = members
+    order = [dp_pos[m] for s in sorted(g.intra_ranks) for m in rails[s]]
+    slots = []
+    for j in order:
+        parts = []
+        for t, c in zip(tensors, chunk):
+            piece = t.reshape(-1)[j * c:(j + 1) * c]
+            parts.append(piece.to(dtype))
+            if piece.numel() < c:
+                parts.append(piece.new_zeros(c - piece.numel()))
+        slots.append(torch.cat(parts) if parts else tensors[0].new_zeros(0))
+    buf = torch.cat(slots).div_(world)
+    mine = buf.new_empty(slot * g.inter_size)
+    e.wire.reduce_scatter_intra_(mine, buf)
+    e.wire.rail_(mine, key=st.key("rs"), wire=e.sync_dtype, average=False)
+    out = mine[g.inter_rank * slot:(g.inter_rank + 1) * slot]
+    res, off = [], 0
+    for t, c in zip(tensors, chunk):
+        n_mine = max(0, min(c, t.numel() - my_rank * c))
+        res.append(out.narrow(0, off, n_mine))
+        off += c
+    return res
 
 
 class HierarchicalStage3Mixin:
@@ -129,10 +165,15 @@ class HierarchicalStage3Mixin:
     topo_align = None
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
-        token = _ACTIVE_STAGE3.set(self.topo_align)
+        from deepspeed.runtime.zero import stage3
+
+        original = stage3.reduce_scatter_coalesced
+        token = _ACTIVE_STAGE3.set((self.topo_align, original))
+        stage3.reduce_scatter_coalesced = reduce_scatter_coalesced
         try:
             return super()._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params_to_reduce, communication_data_type)
         finally:
+            stage3.reduce_scatter_coalesced = original
             _ACTIVE_STAGE3.reset(token)
 
 
@@ -152,6 +193,59 @@ def _flat_offsets(opt, i: int):
     return out
 
 
+def _cat(flat: torch.Tensor, ranges) -> torch.Tensor:
+    if not ranges:
+        return flat.new_zeros(0)
+    return torch.cat([flat[a:b] for a, b in ranges])
+
+
+def _uncat(flat: torch.Tensor, ranges, buf: torch.Tensor) -> None:
+    off = 0
+    for a, b in ranges:
+        flat[a:b].copy_(buf[off:off + b - a])
+        off += b - a
+
+
+class PartitionSource:
+    """What ZeRO-1/2 `selective` reconciles: this rank's LOCAL slices of the fp32 master partition
+    (``param=`` set: drift is measured on them) and of every optimizer-state tensor of the
+    partition's shape, as ``shard=True`` items (the rail partners hold the same partition);
+    ``written()`` copies fp32 to bit16 and all-gathers inside the island (``update_lp_params``).
+    Averaging only the bit16 parameters would be undone by the next step, which copies the masters
+    over them (research/deepspeed-selective.md)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def items(self, local: list[str]) -> list[ReconcileItem]:
+        opt, want = self.opt, set(local)
+        out = []
+        held = set()
+        for i, (_sync, _local, per_param) in enumerate(opt._topo_slices()):
+            master = opt.single_partition_of_fp32_groups[i]
+            state = opt.optimizer.state.get(master, {})
+            moments = [(k, state[k]) for k in sorted(state)
+                       if torch.is_tensor(state[k]) and state[k].is_floating_point()
+                       and state[k].numel() == master.numel()]
+            for name, a, b in per_param:
+                if name not in want:
+                    continue
+                held.add(name)
+                out.append(ReconcileItem(f"{i}:{name}:{a}:master", master.data.view(-1)[a:b], shard=True, param=name))
+                for k, v in moments:
+                    out.append(ReconcileItem(f"{i}:{name}:{a}:{k}", v.view(-1)[a:b], shard=True,
+                                             nonneg=_is_second_moment(k), state=True))
+        # The drift of a tensor is agreed over all ranks with the same names everywhere
+        # (reducer/drift.py): a LOCAL tensor outside this rank's partition contributes an empty slice.
+        dev = opt.topo_align.engine.device
+        out += [ReconcileItem(f"absent:{n}", torch.zeros(0, device=dev), shard=True, param=n)
+                for n in local if n not in held]
+        return out
+
+    def written(self) -> None:
+        self.opt.update_lp_params()
+
+
 class SelectiveZeroMixin:
     """Stage 1/2 `selective` on an island-sized ZeRO data-parallel group (see module docstring)."""
 
@@ -160,12 +254,16 @@ class SelectiveZeroMixin:
 
     # -- slices of this rank's partition ----------------------------------------------------------
 
+    def topo_reconfigured(self, _engine=None) -> None:
+        """The engine's reconfigure listener: classes changed, the slices are recomputed on next use."""
+        self._topo_slice_cache = None
+
     def _topo_slices(self):
-        """Per param group: (sync_ranges, local_ranges) in partition coordinates, cached per class version."""
-        st = self.topo_align
+        """Per param group: (sync_ranges, local_ranges, per_param) in partition coordinates."""
         cached = getattr(self, "_topo_slice_cache", None)
-        if cached is not None and cached[0] == st.class_version:
-            return cached[1]
+        if cached is not None:
+            return cached
+        e = self.topo_align.engine
         out = []
         for i in range(len(self.bit16_groups)):
             pid = tdist.get_rank(group=self.real_dp_process_group[i])
@@ -175,33 +273,26 @@ class SelectiveZeroMixin:
             for name, a, b in _flat_offsets(self, i):
                 a2, b2 = max(a, lo), min(b, hi)
                 if a2 < b2:
-                    (sync if st.sync[name] else local).append((a2 - lo, b2 - lo))
+                    (sync if e.is_sync(name) else local).append((a2 - lo, b2 - lo))
                     per_param.append((name, a2 - lo, b2 - lo))
             # Alignment padding at the end of the flat buffer belongs to no parameter: left alone.
             out.append((sync, local, per_param))
-        self._topo_slice_cache = (st.class_version, out)
+        self._topo_slice_cache = out
         return out
 
-    @staticmethod
-    def _gather(flat: torch.Tensor, ranges) -> torch.Tensor:
-        if not ranges:
-            return flat.new_zeros(0)
-        return torch.cat([flat[a:b] for a, b in ranges])
-
-    @staticmethod
-    def _scatter(flat: torch.Tensor, ranges, buf: torch.Tensor) -> None:
-        off = 0
-        for a, b in ranges:
-            flat[a:b].copy_(buf[off:off + b - a])
-            off += b - a
+    def topo_reconcile_source(self) -> PartitionSource:
+        return PartitionSource(self)
 
     # -- 1. SYNC gradients across islands, before DeepSpeed's step --------------------------------
 
     def _topo_sync_gradients(self) -> None:
         """Phases: 1. flatten this rank's island-averaged gradient partition; 2. gather its SYNC
-        slices and all-reduce them over the rail (the same partition of every island), / islands;
-        3. write back. With DP = island this completes the hierarchical RS/AR/AG for SYNC."""
+        slices and all-reduce them over the rail (the same partition of every island; wire
+        ``sync.dtype``, error feedback), / islands; 3. write back. With DP = island this completes
+        the hierarchical RS/AR/AG for SYNC."""
         st = self.topo_align
+        e = st.engine
+        names, sq = [], []
         for i, (sync, _local, per_param) in enumerate(self._topo_slices()):
             ag = self.averaged_gradients.get(i) if isinstance(self.averaged_gradients, dict) else self.averaged_gradients[i]
             if ag is None:
@@ -211,25 +302,27 @@ class SelectiveZeroMixin:
             else:
                 flat = torch.cat([g.reshape(-1) for g in ag])
             # Every rank issues the collective, even with nothing to send, so collectives stay paired.
-            buf = self._gather(flat, sync) if flat is not None else torch.zeros(
-                sum(b - a for a, b in sync), dtype=self.single_partition_of_fp32_groups[i].dtype)
+            buf = _cat(flat, sync) if flat is not None else torch.zeros(
+                sum(b - a for a, b in sync), dtype=self.single_partition_of_fp32_groups[i].dtype, device=e.device)
             if buf.numel():  # rail partners hold the same partition id, hence the same slices
-                st.wire.inter_sum_(buf, cls="sync")
-                buf.div_(st.groups.inter_size)
+                e.wire.rail_(buf, key=f"sync/{i}", wire=e.sync_dtype, average=True)
             if flat is None:
                 continue
-            self._scatter(flat, sync, buf)
-            if st.cfg.importance.method == "fisher":
-                # Importance from this rank's slice of each tensor; the refresh sums the slices
-                # over the island (the same 1/island-size factor for every tensor: ranking unchanged).
+            _uncat(flat, sync, buf)
+            if e.tracks_fisher:
+                # Importance from this rank's slice of each tensor; the refresh sums the slices over
+                # the ranks (the same 1/island-size factor for every tensor: ranking unchanged).
                 for name, a, b in per_param:
-                    st.observe(name, float(flat[a:b].float().pow(2).sum()))
+                    names.append(name)
+                    sq.append(flat[a:b].float().pow(2).sum())
             if not hasattr(ag, "flat_partition"):
                 off = 0
                 for g in ag:
                     n = g.numel()
                     g.view(-1).copy_(flat[off:off + n])
                     off += n
+        if names:
+            e.observe(names, torch.stack(sq))
 
     def step(self, closure=None):
         self._topo_sync_gradients()
@@ -238,19 +331,20 @@ class SelectiveZeroMixin:
     # -- 2. one clip norm for everyone ------------------------------------------------------------
 
     def scaled_global_norm(self, norm_type=2):
-        """DeepSpeed's island norm -> sqrt(mean over islands of norm^2) (fp64 rail all-reduce);
-        inf/nan stays inf (the sentinel DeepSpeed checks)."""
+        """DeepSpeed's island norm -> sqrt(mean over islands of norm^2) (fp64 rail all-reduce on the
+        communication device); inf/nan stays inf (the sentinel DeepSpeed checks)."""
         norm = super().scaled_global_norm(norm_type)
         st = self.topo_align
-        t = torch.as_tensor(norm, dtype=torch.float64).reshape(1).clone()
+        e = st.engine
+        t = (norm.detach().double().reshape(1).to(e.device) if torch.is_tensor(norm)
+             else e.wire.tensor([float(norm)]))
         bad = (~torch.isfinite(t)) | (t < 0)
         v = torch.where(bad, torch.full_like(t, float("inf")), t * t)
-        st.wire.agree_(v, "sum", group="inter")
-        out = torch.sqrt(v / st.groups.inter_size)
-        st.last_clip_norm = float(out)
-        if isinstance(norm, torch.Tensor):
-            return out.to(norm.dtype).reshape(norm.shape)
-        return float(out)
+        out = e.global_grad_norm_sq(v, over="inter").sqrt()
+        st.last_clip_norm = float(out.item())
+        if torch.is_tensor(norm):
+            return out.to(device=norm.device, dtype=norm.dtype).reshape(norm.shape)
+        return float(out.item())
 
     # -- 3. one overflow decision for everyone ----------------------------------------------------
 
@@ -258,40 +352,8 @@ class SelectiveZeroMixin:
         flag = bool(super().has_overflow(partition_gradients))
         st = self.topo_align
         st.last_local_overflow = flag  # this island's own verdict, kept for tests and logs
-        t = torch.tensor([1.0 if flag else 0.0])
-        st.wire.agree_(t, "max", group="inter")
-        st.last_overflow = bool(t.item() > 0)
+        st.last_overflow = st.engine.agree_overflow(flag, over="inter")
         return st.last_overflow
-
-    # -- 4. reconciliation ------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def topo_reconcile(self) -> None:
-        """Average the LOCAL slices of the fp32 master partition and of every optimizer-state tensor
-        of the partition's shape over the rail, then re-gather the island's bit16 parameters.
-
-        Phases: 1. per param group, gather LOCAL slices of master + moments into one fp32 buffer;
-        2. one rail all-reduce of it, / islands; 3. scatter back; 4. ``update_lp_params`` (fp32 ->
-        bit16 copy and all-gather inside the island). Averaging only the bit16 parameters would be
-        undone by the next step, which copies the masters over them (research/deepspeed-selective.md).
-        """
-        st = self.topo_align
-        for i, (_sync, local, _per_param) in enumerate(self._topo_slices()):
-            master = self.single_partition_of_fp32_groups[i]
-            tensors = [master.data.view(-1)]
-            state = self.optimizer.state.get(master, {})
-            for k in sorted(state):
-                v = state[k]
-                if torch.is_tensor(v) and v.numel() == master.numel() and v.is_floating_point():
-                    tensors.append(v.view(-1))
-            parts = [self._gather(t, local).float() for t in tensors]
-            buf = torch.cat(parts) if parts else torch.zeros(0)
-            st.wire.reconcile_mean_(buf, within_island_equal=False)
-            off = 0
-            for t, p in zip(tensors, parts):
-                self._scatter(t, local, buf[off:off + p.numel()].to(t.dtype))
-                off += p.numel()
-        self.update_lp_params()
 
 
 def swap_class(obj, mixin, prefix: str = "TopoAlign"):
@@ -301,4 +363,3 @@ def swap_class(obj, mixin, prefix: str = "TopoAlign"):
         return obj
     obj.__class__ = type(prefix + cls.__name__, (mixin, cls), {"__module__": __name__})
     return obj
-

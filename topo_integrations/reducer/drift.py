@@ -12,7 +12,7 @@ the data-parallel group so that every rank logs the same value and takes the sam
 decision. Optimizer state is reconciled too but not measured: the parameters are what the model is.
 
 Promotion (``local.promote_drift_fraction`` > 0): after a *blocking* reconciliation (every
-parameter is then identical on all ranks, so a class change cannot break DESIGN invariant 1) the
+parameter is then identical on all ranks, so a class change cannot break invariant 1 of docs/reducer.md) the
 LOCAL tensors with the largest drift become SYNC, largest first, while the promoted tensors stay
 within that fraction of all gradient elements. Promotions are sticky (they survive class refreshes
 and checkpoints): a tensor that drifted once is likely to drift again.
@@ -24,7 +24,6 @@ import logging
 import math
 
 import torch
-
 
 __all__ = ["DriftMonitor"]
 

@@ -586,7 +586,8 @@ class Engine:
         return {"format": ENGINE_STATE_FORMAT, "mode": mode, "step": self.step, "last_refresh": self.last_refresh,
                 "reconciles": self.reconciles, "all_synced": self.all_synced, "classes": classes,
                 "residuals": self.wire.residual_state(), "importance": self.importance.state_dict(),
-                "pending": pend, "anchor": anchor, "max_staleness": self.max_staleness, "stats": self.stats_.state_dict(),
+                "pending": pend, "anchor": anchor, "max_staleness": self.max_staleness,
+                "stats": self.stats_.state_dict(),
                 "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:

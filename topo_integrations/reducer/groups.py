@@ -31,7 +31,8 @@ from ..config import TopoAlignConfig
 from ..topology import Plan, PlanError, Topology, TopologyError, plan_groups
 from ..topology.model import DEFAULT_TIERS, RankPlace
 
-__all__ = ["ReducerGroups", "SYNC_KINDS", "group_options", "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
+__all__ = ["ReducerGroups", "SYNC_KINDS", "group_options",
+           "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
            "HOSTNAME_ENV"]
 
 log = logging.getLogger("topo_align")

@@ -1,4 +1,4 @@
-"""GroupedReducer: topology-aware gradient reduction for any ``nn.Module`` (DESIGN.md 4 and 5.4).
+"""GroupedReducer: topology-aware gradient reduction for any ``nn.Module`` (docs/reducer.md).
 
 One training step, seen from the reducer:
 
@@ -55,7 +55,7 @@ STATE_FORMAT = "topo-align/reducer/v2"
 
 
 class ConsistencyError(RuntimeError):
-    """Replicas that must be identical are not (DESIGN invariant 1/2); the message names the first."""
+    """Replicas that must be identical are not (invariants 1 and 2 of docs/reducer.md); the message names the first."""
 
 
 def _hash_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _dense(name: str, grad: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedReducer:
-    """See the module docstring. Public methods follow DESIGN 5.4 (docs/reducer.md)."""
+    """See the module docstring. Public methods: docs/reducer.md."""
 
     def __init__(self, model: nn.Module, cfg: TopoAlignConfig, *, groups: ReducerGroups | None = None,
                  plan: Plan | None = None, param_names: dict | None = None, register_hooks: bool = True,
@@ -404,7 +404,7 @@ class GroupedReducer:
         return out
 
     def verify_consistency(self) -> None:
-        """Check DESIGN invariants 1 and 2 now; raise :class:`ConsistencyError` naming the first
+        """Check invariants 1 and 2 (docs/reducer.md) now; raise :class:`ConsistencyError` naming the first
         parameter (or decision) that differs and between which ranks.
 
         Phases: 1. fingerprint every parameter and the class/bucket layout locally;

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, TopoAlignConfig, load_json_file
+from ..deepspeed.block import from_deepspeed_config
 from .model import DTYPE_BYTES, SimError
 
 __all__ = ["Workload", "dp_groups", "megatron_param_count", "workload_from_megatron_args",
@@ -217,7 +218,7 @@ def workload_from_deepspeed_config(path: str, base: Workload) -> Workload:
     """Precision, batch size and the "topo_align" block of a DeepSpeed config (params come from flags)."""
     try:
         data = load_json_file(path, what="DeepSpeed config")
-        cfg = TopoAlignConfig.from_deepspeed_config(data)
+        cfg = from_deepspeed_config(data)
     except ConfigError as exc:
         raise SimError(str(exc)) from None
     if not isinstance(data, dict):

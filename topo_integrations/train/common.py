@@ -175,14 +175,16 @@ def topo_block(args: argparse.Namespace, *, base: TopoAlignConfig | None = None,
         # Apply the source before the file (the validator needs both together), then the rest.
         first = {k: overrides.pop(k) for k in ("topology.source", "topology.file") if k in overrides}
         if first:
-            data = cfg.model_dump()
+            data = cfg.model_dump(exclude_unset=True)
             for k, v in first.items():
-                data["topology"][k.split(".", 1)[1]] = v
+                data.setdefault("topology", {})[k.split(".", 1)[1]] = v
             cfg = TopoAlignConfig.from_block(data)
         cfg = cfg.with_overrides(overrides)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    return cfg.model_dump(mode="json")
+    # Only the keys set (by the file, the flags or the defaults above): an adapter refuses a key it
+    # cannot honour only when it was set (TopoAlignConfig.explicit_keys).
+    return {"enabled": cfg.enabled, "mode": cfg.mode, **cfg.model_dump(mode="json", exclude_unset=True)}
 
 
 def virtual_hostname(rank: int, world_size: int, nodes: int) -> str:
