@@ -139,7 +139,188 @@ def _selective_run(rank, spec, cfg, *, dist_opt, steps=30):
 
     return {"recs": recs, "stats": ddp.topo_stats()["totals"], "n_params": len(cls),
             "n_sub_optimizers": len(getattr(opt, "chained_optimizers", [opt])),
+            "last_refresh": ddp.topo_engines[0].last_refresh,
+            "fisher_updates": ddp.topo_engines[0].importance.updates,
             "expert_swapped": sum(isinstance(bg, TopoBucketGroup) for bg in ddp.expert_parallel_bucket_groups)}
+
+
+def _invariants(ddp, r):
+    """Invariants 1 and 2 of this step, agreed over the 4 ranks (plain values)."""
+    import torch
+    import torch.distributed as dist
+
+    cls = ddp.topo_param_classes()
+    named = list(ddp.module.named_parameters())
+    parts = {c: [p.detach().reshape(-1) for n, p in named if cls[n] == c] for c in ("SYNC", "LOCAL")}
+    sv = torch.cat(parts["SYNC"]) if parts["SYNC"] else torch.zeros(0)
+    lv = torch.cat(parts["LOCAL"]) if parts["LOCAL"] else torch.zeros(0)
+    gs, gl = _gather_vec(sv), _gather_vec(lv)
+    agreed = [None] * WORLD
+    dist.all_gather_object(agreed, (r.get("ok"), r.get("grad_norm"), sorted(cls.items())))
+    return {"sync_all_same": all(torch.equal(gs[0], x) for x in gs),
+            "local_same_in_group": torch.equal(gl[0], gl[1]) and torch.equal(gl[2], gl[3]),
+            "all_same": all(torch.equal(gs[0], x) for x in gs) and all(torch.equal(gl[0], x) for x in gl),
+            "agreed": len({str(a) for a in agreed}) == 1, "n_sync": sum(v == "SYNC" for v in cls.values()),
+            "loss": r["loss"]}
+
+
+class _Spy:
+    """Every torch.distributed collective on a topo_align group handle must be issued inside
+    ``collectives.run`` (a thread-local flag set by a wrapper), and those on the LOCAL communicators
+    (``intra_low`` / ``inter_low``) from the engine's LOCAL worker thread when it exists."""
+
+    OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather")
+
+    def __init__(self, ddp):
+        import threading
+
+        import torch.distributed as dist
+
+        from topo_integrations.reducer import collectives as C
+
+        self.C, self.dist, self.tl = C, dist, threading.local()
+        self.worker = any(e._executors for e in ddp.topo_engines)
+        gs = ddp.topo_group_set.all()
+        kinds = ("intra", "inter", "intra_low", "inter_low", "leaf_rail", "spine_rail", "leaf_rail_low",
+                 "spine_rail_low", "dp_group")
+        self.handles = [h for g in gs for h in (getattr(g, k, None) for k in kinds) if h is not None]
+        self.low = [h for g in gs for h in (getattr(g, k, None) for k in kinds if k.endswith("_low")) if h is not None]
+        self.outside, self.wrong_thread, self.seen = [], [], 0
+        self.saved = {("C", "run"): C.run, ("C", "_all_gather"): C._all_gather, ("C", "_reduce_scatter"): C._reduce_scatter}
+        self.saved.update({("dist", op): getattr(dist, op) for op in self.OPS})
+
+    def __enter__(self):
+        import threading
+
+        orig_run = self.saved[("C", "run")]
+
+        def run(*a, **k):
+            prev = getattr(self.tl, "on", False)
+            self.tl.on = True
+            try:
+                return orig_run(*a, **k)
+            finally:
+                self.tl.on = prev
+
+        def wrap(fn, name):
+            def spied(*a, **k):
+                g = k.get("group")
+                if g is not None and any(g is h for h in self.handles):
+                    self.seen += 1
+                    if not getattr(self.tl, "on", False):
+                        self.outside.append(name)
+                    if self.worker and any(g is h for h in self.low) and \
+                            not threading.current_thread().name.startswith("topo_align_local"):
+                        self.wrong_thread.append((name, threading.current_thread().name))
+                return fn(*a, **k)
+            return spied
+
+        # modules that bound the function by name at import (imported before C.run is replaced, or
+        # they would bind the wrapper)
+        from topo_integrations.reducer import adaptive, health
+
+        self.C.run = run
+        self.bound = [(m, n) for m in (adaptive, health) for n in ("run", "_run") if getattr(m, n, None) is orig_run]
+        for m, n in self.bound:
+            setattr(m, n, run)
+        self.C._all_gather = wrap(self.saved[("C", "_all_gather")], "all_gather")
+        self.C._reduce_scatter = wrap(self.saved[("C", "_reduce_scatter")], "reduce_scatter")
+        for op in self.OPS:
+            setattr(self.dist, op, wrap(self.saved[("dist", op)], op))
+        return self
+
+    def __exit__(self, *exc):
+        self.C.run = self.saved[("C", "run")]
+        for m, n in self.bound:
+            setattr(m, n, self.saved[("C", "run")])
+        self.C._all_gather = self.saved[("C", "_all_gather")]
+        self.C._reduce_scatter = self.saved[("C", "_reduce_scatter")]
+        for op in self.OPS:
+            setattr(self.dist, op, self.saved[("dist", op)])
+
+
+def _engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None):
+    """``steps`` optimizer steps with the invariants after each; ``at_step(step, ddp, opt)`` runs
+    before a step; then a forced blocking reconciliation (everything equal afterwards)."""
+    from topo_integrations.megatron.testing import build_gpt, init_parallel, make_optimizer, run_iteration, wrap_ddp
+
+    K = 2 if dist_opt else 1
+    init_parallel(K)
+    m, c = build_gpt(spec)
+    ddp = wrap_ddp(m, c, topo=cfg, use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=K)
+    opt = make_optimizer(ddp, clip_grad=0.3)
+    recs, s = [], None
+    if spy:
+        s = _Spy(ddp).__enter__()
+    try:
+        for step in range(steps):
+            if at_step is not None:
+                at_step(step, ddp, opt)
+            recs.append(_invariants(ddp, run_iteration(ddp, spec, rank, step, opt)))
+        ddp.topo_reconcile(opt)
+    finally:
+        if s is not None:
+            s.__exit__()
+    final = _invariants(ddp, {"loss": None})
+    e = ddp.topo_engines[0]
+    out = {"recs": recs, "final_all_same": final["all_same"], "max_staleness": e.max_staleness,
+           "reconciles": e.reconciles, "promoted": list(e.drift.promoted), "sync_dtype": str(e.sync_dtype),
+           "interval": e.reconcile_interval, "classes_version": e.class_version,
+           "level": None if e.adaptive is None else e.adaptive.level,
+           "hutchinson_refreshes": e.importance.hutchinson_seed, "stats": ddp.topo_stats()["totals"]}
+    if s is not None:
+        out.update(spy_seen=s.seen, spy_outside=s.outside, spy_wrong_thread=s.wrong_thread[:5],
+                   worker=s.worker)
+    ddp.topo_close()
+    return out
+
+
+def _force_level(name):
+    """at_step hook: put every engine's adaptive controller at level ``name`` before step 2."""
+    def hook(step, ddp, opt):
+        if step != 2:
+            return
+        for e in ddp.topo_engines:
+            ctrl = e.adaptive
+            new = ctrl.policy.available.index(name)
+            old, ctrl.policy.level = ctrl.policy.level, new
+            ctrl._apply(old, new, opt)
+    return hook
+
+
+def _engine_checks(rank, spec):
+    from topo_integrations.config import TopoAlignConfig
+
+    base = {"mode": "selective", "sync": {"last_n_layers": 1, "top_fraction": 0.15},
+            "local": {"reconcile_interval": 2, "async_reconcile": True}, "importance": {"refresh_interval": 1000}}
+
+    def cfg(**over):
+        import copy
+
+        b = copy.deepcopy(base)
+        for k, v in over.items():
+            b[k] = {**b.get(k, {}), **v} if isinstance(v, dict) else v
+        return TopoAlignConfig.model_validate(b)
+
+    out = {}
+    out["async_plain"] = _engine_run(rank, spec, cfg(), dist_opt=False, steps=7, spy=True)
+    out["adaptive_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000}),
+                                        dist_opt=False, steps=7, at_step=_force_level("fp16"))
+    # the controller measuring for real (probe + agreement every 2 steps) while averages are in flight
+    out["adaptive_checks_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 2}),
+                                               dist_opt=False, steps=7, spy=True)
+    out["drift_plain"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}), dist_opt=False, steps=6)
+    out["hutchinson_plain"] = _engine_run(
+        rank, spec, cfg(importance={"method": "hutchinson", "refresh_interval": 2}, sync={"top_fraction": 0.3}),
+        dist_opt=False, steps=5)
+    out["async_distopt"] = _engine_run(rank, spec, cfg(), dist_opt=True, steps=7, spy=True)
+    out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000}),
+                                          dist_opt=True, steps=7, at_step=_force_level("fp16"))
+    out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}), dist_opt=True, steps=6)
+    out["delta_distopt"] = _engine_run(
+        rank, spec, cfg(local={"reconcile_dtype": "bf16", "moments_interval": 2, "outer_momentum": 0.5}),
+        dist_opt=True, steps=7)
+    return out
 
 
 def _skip_run(rank, spec, cfg):
@@ -219,7 +400,7 @@ def _checkpoint_run(rank, spec, cfg):
             run_iteration(b, spec, rank, step, opt_b)
         results[variant] = torch.equal(params(b), final_a)
     results["state_keys"] = sorted(states[0])
-    results["has_residuals"] = bool(states[0]["residuals"])
+    results["has_residuals"] = any(e["residuals"] for e in states[0]["engines"])
     return results
 
 
@@ -323,10 +504,14 @@ def _rank_main(rank, world, tmpdir):
     res["moe"] = _grad_checks(rank, hier, {"moe_distopt": (moe_spec, True, True, None)}, ep=2)
     timings["moe"] = time.time() - t0
     t0 = time.time()
+    res["engine"] = _engine_checks(rank, spec)
+    timings["engine"] = time.time() - t0
+    t0 = time.time()
     res["selective_plain"] = _selective_run(rank, spec, sel, dist_opt=False)
     timings["selective_plain"] = time.time() - t0
     t0 = time.time()
     res["checkpoint"] = _checkpoint_run(rank, spec, sel)
+    res["checkpoint_async"] = _checkpoint_run(rank, spec, sel.with_overrides({"local.async_reconcile": True}))
     import torch
 
     res["skip"] = _skip_run(rank, TinyGPT(extra={"bf16": True, "params_dtype": torch.bfloat16}), sel)
@@ -360,7 +545,7 @@ def test_hierarchical_main_grad_equals_stock_megatron(world, case):
         assert r["active"], r["reason"]
         assert r["swapped"] == r["n_groups"] > 0
         assert max(r["errs"]) <= TOL, (rank, case, r["errs"])
-        assert "inter" in r["stats"]["all"] and "intra" in r["stats"]["all"]
+        assert "inter" in r["stats"]["sync"] and "intra" in r["stats"]["sync"]
 
 
 @pytest.mark.timeout(960)
@@ -417,7 +602,9 @@ def test_selective_invariants_every_step(world, case):
     assert sum(r["reconciled"] for r in r0) == 7
     assert any(not r["all_same"] for r in r0)  # positive control: LOCAL replicas did drift in between
     assert sum(r["clipped"] for r in r0) >= 5  # clipping was active, so agreement mattered
-    assert r0[-1]["n_sync"] > r0[0]["n_sync"]  # importance refresh added SYNC tensors
+    # fisher scores were observed from the bucket groups and the classes were re-ranked on them
+    # (steps 8, 16, 24; the engine starts from agreed magnitude ranks, which may already be the same set)
+    assert world[0][case]["last_refresh"] == 24 and world[0][case]["fisher_updates"] > 0
 
 
 @pytest.mark.timeout(960)
@@ -444,14 +631,15 @@ def test_overflow_skip_agrees_across_groups(world):
 
 
 @pytest.mark.timeout(960)
-def test_checkpoint_reconciles_and_carries_reducer_state(world):
+@pytest.mark.parametrize("case", ["checkpoint", "checkpoint_async"])
+def test_checkpoint_reconciles_and_carries_reducer_state(world, case):
     for res in world:
-        ck = res["checkpoint"]
+        ck = res[case]
         assert ck["after_save_all_same"]  # save reconciled: replica 0's files hold every parameter
         assert ck["has_residuals"] and "classes" in ck["state_keys"] and "step" in ck["state_keys"]
         assert ck["with_state"], "resume from replica 0 + plugin state must equal not stopping"
     # Without the plugin state (step counter, classes, residuals) the resumed run differs.
-    assert not all(res["checkpoint"]["without_state"] for res in world)
+    assert not all(res[case]["without_state"] for res in world)
 
 
 @pytest.mark.timeout(960)
@@ -473,3 +661,65 @@ def test_stock_when_off_flat_or_one_tier(world, case):
     if case == "one_node":
         assert "single tier" in world[0]["fallbacks"][case]["reason"] or \
             "holds all" in world[0]["fallbacks"][case]["reason"]
+
+
+ENGINE_CASES = ["async_plain", "async_distopt", "adaptive_plain", "adaptive_distopt", "drift_plain", "drift_distopt",
+                "hutchinson_plain", "delta_distopt", "adaptive_checks_plain"]
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("case", ENGINE_CASES)
+def test_engine_features_keep_invariants_every_step(world, case):
+    for res in world:
+        r = res["engine"][case]
+        for step, rec in enumerate(r["recs"]):
+            assert rec["sync_all_same"] and rec["local_same_in_group"] and rec["agreed"], (case, step, rec)
+        assert r["final_all_same"], case  # forced blocking reconciliation: everything equal
+    r0 = world[0]["engine"][case]
+    assert any(not rec["all_same"] for rec in r0["recs"]), case  # positive control: LOCAL did drift
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("case", ["async_plain", "async_distopt"])
+def test_async_reconcile_overlaps_with_staleness_one(world, case):
+    for res in world:
+        r = res["engine"][case]
+        assert r["max_staleness"] == 1  # the correction of step s lands after step s + 1
+        assert r["reconciles"] >= 4  # steps 2, 4, 6 asynchronously + the forced one
+        assert r["stats"]["reconcile"]["inter"]["bytes"] > 0
+        assert "inter" not in r["stats"].get("local", {})
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("case", ["async_plain", "async_distopt", "adaptive_checks_plain"])
+def test_every_collective_on_topo_groups_goes_through_collectives_run(world, case):
+    for res in world:
+        r = res["engine"][case]
+        assert r["worker"] and r["spy_seen"] > 0
+        assert r["spy_outside"] == [], r["spy_outside"][:5]
+        assert r["spy_wrong_thread"] == [], r["spy_wrong_thread"]  # LOCAL communicators: LOCAL worker only
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("case", ["adaptive_plain", "adaptive_distopt"])
+def test_adaptive_level_applies_to_megatron_reduction(world, case):
+    for res in world:
+        r = res["engine"][case]
+        assert r["level"] == "fp16" and r["sync_dtype"] == "torch.float16"
+        assert r["interval"] == 8  # the reconcile level (4 x 2) accumulates under fp16
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("case", ["drift_plain", "drift_distopt"])
+def test_drift_promotion_moves_tensors_to_sync(world, case):
+    promoted = {str(res["engine"][case]["promoted"]) for res in world}
+    assert len(promoted) == 1 and world[0]["engine"][case]["promoted"]
+    r0 = world[0]["engine"][case]["recs"]
+    assert r0[-1]["n_sync"] > r0[0]["n_sync"]
+
+
+@pytest.mark.timeout(960)
+def test_hutchinson_refresh_from_the_captured_megatron_loss(world):
+    for res in world:
+        r = res["engine"]["hutchinson_plain"]
+        assert r["hutchinson_refreshes"] >= 2  # refreshes at steps 2 and 4 differentiated the model's loss

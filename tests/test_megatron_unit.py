@@ -133,26 +133,125 @@ def test_adding_flags_twice_is_harmless():
 
 
 @pytest.mark.timeout(30)
-def test_classify_last_layers_patterns_forced_and_importance():
-    from topo_integrations.config import SyncConfig
-    from topo_integrations.megatron.classes import classify
+def test_engine_classes_with_megatron_global_layers_and_forced_names():
+    # What TopoAlignDDP hands the engine: global layer indices, num_layers of the whole model, and
+    # forced SYNC names (tied embedding, expert buckets Megatron reduces itself).
+    from topo_integrations.reducer.classes import classify
 
     named = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.mlp.weight", 400),
              ("decoder.layers.0.attn.weight", 300), ("decoder.layers.1.mlp.weight", 400),
              ("decoder.final_layernorm.weight", 10), ("output_layer.weight", 1000)]
-    layer_of = {n: (int(n.split(".")[2]) if n.startswith("decoder.layers.") else None) for n, _ in named}
-    sync = SyncConfig(last_n_layers=1, top_fraction=0.1)
-    got = classify(named, layer_of, 2, sync)
-    assert got == {"embedding.word_embeddings.weight": False, "decoder.layers.0.mlp.weight": False,
-                   "decoder.layers.0.attn.weight": False, "decoder.layers.1.mlp.weight": True,
-                   "decoder.final_layernorm.weight": False, "output_layer.weight": True}
-    forced = classify(named, layer_of, 2, sync, forced_sync={"embedding.word_embeddings.weight"})
-    assert forced["embedding.word_embeddings.weight"]
+    names, numels = [n for n, _ in named], [k for _, k in named]
+    # a pipeline stage holding only layer 0 of 2 must still count layer 1 as the last one
+    layers = {n: (int(n.split(".")[2]) if n.startswith("decoder.layers.") else None) for n in names}
+    kw = dict(last_n_layers=1, always_sync=["output_layer"], layers=layers, num_layers=2)
+    got = classify(names, numels, top_fraction=0.0, scores=None, **kw)
+    assert [n for n in names if got[n] == "SYNC"] == ["decoder.layers.1.mlp.weight", "output_layer.weight"]
+    forced = classify(names, numels, top_fraction=0.0, scores=None, exact_names={"embedding.word_embeddings.weight"},
+                      **kw)
+    assert forced["embedding.word_embeddings.weight"] == "SYNC"
     # importance adds the top tensors within 10% of 3110 elements = 311: attn (300) fits, mlp (400) does not
-    scores = {"decoder.layers.0.attn.weight": 5.0, "decoder.layers.0.mlp.weight": 9.0}
-    ranked = classify(named, layer_of, 2, sync, scores=scores)
-    assert ranked["decoder.layers.0.attn.weight"] and not ranked["decoder.layers.0.mlp.weight"]
-    assert all(classify(named, layer_of, 2, SyncConfig(top_fraction=1.0)).values())
+    scores = [0.0, 9.0, 5.0, 0.0, 0.0, 0.0]
+    ranked = classify(names, numels, top_fraction=0.1, scores=scores, **kw)
+    assert ranked["decoder.layers.0.attn.weight"] == "SYNC" and ranked["decoder.layers.0.mlp.weight"] == "LOCAL"
+    assert set(classify(names, numels, top_fraction=1.0, scores=None, **kw).values()) == {"SYNC"}
+
+
+REFUSED = [
+    ({"communication": {"bucket_size_mb": 10.0}}, dict(),
+     "topo_align: communication.bucket_size_mb = 10.0 is not supported by the Megatron adapter (TopoAlignDDP): "
+     "Megatron builds the gradient buckets itself; set the bucket size with --ddp-bucket-size "
+     "(DistributedDataParallelConfig.bucket_size, in elements) and remove the key"),
+    ({"communication": {"overlap": False}}, dict(overlap_grad_reduce=True),
+     "topo_align: communication.overlap = False is not supported by the Megatron adapter (TopoAlignDDP): "
+     "Megatron decides whether buckets are reduced during backward; use --overlap-grad-reduce "
+     "(DistributedDataParallelConfig.overlap_grad_reduce) and remove the key"),
+    ({"mode": "selective", "local": {"dtype": "bf16"}}, dict(use_distributed_optimizer=True),
+     "topo_align: local.dtype = 'bf16' (--topo-align-local-dtype) is not supported by the Megatron adapter "
+     "(TopoAlignDDP): with the distributed optimizer LOCAL gradients travel in the island reduce-scatter of the "
+     "whole bucket, in the gradient buffer's dtype; remove the key (or choose the buffer dtype with "
+     "--accumulate-allreduce-grads-in-fp32), or use plain DDP (no --use-distributed-optimizer) where local.dtype "
+     "applies"),
+    ({"mode": "selective", "importance": {"method": "hutchinson"}}, dict(pipeline_parallel_size=2),
+     "topo_align: importance.method = 'hutchinson' (--topo-align-importance) is not supported by the Megatron "
+     "adapter (TopoAlignDDP): with pipeline parallelism no stage computes the whole loss, so there is no loss "
+     "closure to differentiate twice; use 'fisher' or 'magnitude'"),
+]
+
+ACCEPTED = [
+    ({}, dict(use_distributed_optimizer=True, pipeline_parallel_size=4)),  # defaults never trip a refusal
+    (TopoAlignConfig().model_dump(mode="json"), dict(use_distributed_optimizer=True)),  # nor spelled-out defaults
+    ({"communication": {"overlap": True}}, dict(overlap_grad_reduce=True)),  # agrees with Megatron's setting
+    ({"mode": "selective", "local": {"dtype": "bf16"}}, dict()),  # plain DDP applies local.dtype
+    ({"mode": "hierarchical", "local": {"dtype": "bf16"}}, dict(use_distributed_optimizer=True)),  # unused there
+    ({"mode": "selective", "importance": {"method": "hutchinson"}}, dict()),
+    ({"adaptive": {"enabled": True}, "local": {"promote_drift_fraction": 0.1, "async_reconcile": True},
+      "topology": {"middle_level": True}, "monitor": {"log_interval": 5},
+      "fallback": {"timeout_s": 60.0, "on_flat_topology": "error"}}, dict(use_distributed_optimizer=True)),
+]
+
+
+def _side(**kw):
+    from topo_integrations.megatron.refusals import MegatronSide
+
+    return MegatronSide(**{"use_distributed_optimizer": False, "overlap_grad_reduce": True, **kw})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("block, side, message", REFUSED)
+def test_refuse_table_names_key_value_adapter_and_replacement(block, side, message):
+    from topo_integrations.megatron.refusals import TopoAlignDDPError, check_config
+
+    with pytest.raises(TopoAlignDDPError) as exc:
+        check_config(TopoAlignConfig.model_validate(block), _side(**side))
+    assert str(exc.value) == message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("block, side", ACCEPTED)
+def test_refuse_table_accepts_what_the_adapter_honours(block, side):
+    from topo_integrations.megatron.refusals import check_config
+
+    check_config(TopoAlignConfig.model_validate(block), _side(**side))
+
+
+@pytest.mark.timeout(30)
+def test_megatron_settings_the_plugin_cannot_combine():
+    from topo_integrations.megatron.refusals import TopoAlignDDPError, check_megatron_settings
+
+    with pytest.raises(TopoAlignDDPError) as exc:
+        check_megatron_settings(TopoAlignConfig(), _side(calculate_per_token_loss=True))
+    assert str(exc.value) == (
+        "topo_align: mode = 'selective' is not supported by the Megatron adapter (TopoAlignDDP) with "
+        "calculate_per_token_loss: Megatron all-reduces the token count over the whole data-parallel group, LOCAL "
+        "gradients would need group counts; turn --calculate-per-token-loss off or use mode 'hierarchical'")
+    check_megatron_settings(TopoAlignConfig.model_validate({"mode": "hierarchical"}),
+                            _side(calculate_per_token_loss=True))
+    with pytest.raises(TopoAlignDDPError, match="reduce_scatter_with_fp32_accumulation"):
+        check_megatron_settings(TopoAlignConfig(), _side(reduce_scatter_with_fp32_accumulation=True))
+
+
+@pytest.mark.timeout(30)
+def test_every_key_is_documented_for_megatron():
+    # docs/megatron.md has one row per key of the block: what the adapter does with it or why it refuses.
+    import os
+
+    from topo_integrations.megatron.refusals import REFUSALS
+
+    def leaves(model, prefix=""):
+        for name, f in type(model).model_fields.items():
+            v = getattr(model, name)
+            if hasattr(v, "model_fields"):
+                yield from leaves(v, f"{prefix}{name}.")
+            else:
+                yield prefix + name
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "megatron.md"), encoding="utf-8") as fh:
+        doc = fh.read()
+    keys = list(leaves(TopoAlignConfig()))
+    missing = [k for k in keys if f"| `{k}` |" not in doc]
+    assert not missing, missing
+    assert {r.key for r in REFUSALS} <= set(keys)
 
 
 @pytest.mark.timeout(60)

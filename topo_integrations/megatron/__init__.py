@@ -1,4 +1,4 @@
-"""Megatron adapter (DESIGN.md 5.3): `TopoAlignDDP`, the ``--topo-align*`` flags, `install()`,
+"""Megatron adapter (docs/megatron.md): `TopoAlignDDP`, the ``--topo-align*`` flags, `install()`,
 the ``python -m topo_integrations.megatron pretrain_gpt.py ARGS`` launcher and a CPU
 compatibility layer (`cpu_compat`) for running real megatron-core on CPU with gloo.
 

@@ -1,7 +1,7 @@
 """Run the real megatron-core (GPTModel, DDP, optimizers, schedules) on CPU with gloo.
 
-For development and CI only. megatron-core assumes a GPU in a handful of places (research/megatron.md
-section 3): CUDA RNG trackers, ``device=torch.cuda.current_device()`` allocations (DDP buffers,
+For development and CI only. megatron-core assumes a GPU in a handful of places (docs/megatron.md,
+"Running megatron-core on CPU"): CUDA RNG trackers, ``device=torch.cuda.current_device()`` allocations (DDP buffers,
 GlobalMemoryBuffer), ``device='cuda'`` scalars and ``param.type() == 'torch.cuda.*'`` checks in the
 optimizers, and CUDA streams on the ``num_distributed_optimizer_instances > 1`` path. :func:`apply`
 makes each of them work on CPU:

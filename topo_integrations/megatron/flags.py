@@ -1,4 +1,4 @@
-"""The ``--topo-align*`` command-line flags of DESIGN.md 5.3, mapped onto a `TopoAlignConfig`.
+"""The ``--topo-align*`` command-line flags (docs/megatron.md, "Flags"), mapped onto a `TopoAlignConfig`.
 
     --topo-align                      turn the plugin on (without it the run is stock Megatron)
     --topo-align-config FILE          JSON file holding the "topo_align" block (or a DeepSpeed config with one)

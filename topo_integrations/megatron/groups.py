@@ -5,10 +5,12 @@ Megatron has one data-parallel group per (tensor, pipeline, ...) coordinate. The
 module first learns every data-parallel group of the job, plans the topology of one, checks that
 every other one has the same layout, then builds.
 
-Built groups are cached per (topology settings, data-parallel groups): a model with several
-chunks (virtual pipeline) or a dense and an expert buffer over the same ranks share one set of
-communicators instead of creating new ones per chunk (every `new_group` is a collective over the
-whole job and a communicator costs memory on every GPU).
+Built groups can be shared through a `GroupSet` the caller owns and passes explicitly (keyed by
+topology settings and data-parallel groups): a model with several chunks (virtual pipeline) or a
+dense and an expert buffer over the same ranks then share one set of communicators instead of
+creating new ones per chunk (every `new_group` is a collective over the whole job and a
+communicator costs memory on every GPU). There is no module-level cache: `TopoAlignDDP` keeps its
+`GroupSet` on itself (and on the DDP config object Megatron-LM passes to every chunk).
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ import torch.distributed as dist
 from ..config import TopoAlignConfig
 from ..reducer.groups import ReducerGroups, broadcast_plan, build_groups, discover_plan
 
-__all__ = ["groups_for_dp_group", "LayoutError"]
+__all__ = ["groups_for_dp_group", "GroupSet", "LayoutError"]
 
-_CACHE: dict[tuple[str, tuple[tuple[int, ...], ...]], ReducerGroups] = {}
+
+class GroupSet:
+    """Built `ReducerGroups` by (topology settings, every data-parallel group of the job); owned by
+    the caller (a `TopoAlignDDP`, or the DDP config shared by a model's chunks), never global."""
+
+    def __init__(self) -> None:
+        self.built: dict[tuple[str, tuple[tuple[int, ...], ...]], ReducerGroups] = {}
+
+    def all(self) -> list[ReducerGroups]:
+        return list(self.built.values())
 
 
 class LayoutError(ValueError):
@@ -42,8 +53,11 @@ def _all_dp_groups(dp_group) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(set(everyone), key=lambda g: g[0]))
 
 
-def groups_for_dp_group(cfg: TopoAlignConfig, dp_group) -> ReducerGroups:
+def groups_for_dp_group(cfg: TopoAlignConfig, dp_group, known: GroupSet | None = None) -> ReducerGroups:
     """This rank's `ReducerGroups` over the data-parallel group ``dp_group`` (collective over the world).
+
+    ``known``: groups built before for the same settings and layout are reused from it, and new
+    ones are added to it.
 
     Phases:
       1. all-gather every rank's data-parallel group (global ranks) over the world;
@@ -54,8 +68,8 @@ def groups_for_dp_group(cfg: TopoAlignConfig, dp_group) -> ReducerGroups:
     """
     all_dp = _all_dp_groups(dp_group)
     key = (json.dumps({"t": cfg.topology.model_dump(), "timeout": cfg.fallback.timeout_s}, sort_keys=True), all_dp)
-    if key in _CACHE:
-        return _CACHE[key]
+    if known is not None and key in known.built:
+        return known.built[key]
     me = dist.get_rank()
     mine = next(g for g in all_dp if me in g)
     whole_world = len(all_dp) == 1
@@ -71,5 +85,6 @@ def groups_for_dp_group(cfg: TopoAlignConfig, dp_group) -> ReducerGroups:
             )
         plan = ref
     groups = build_groups(plan, dp_ranks_all=[list(g) for g in all_dp], timeout_s=cfg.fallback.timeout_s)
-    _CACHE[key] = groups
+    if known is not None:
+        known.built[key] = groups
     return groups

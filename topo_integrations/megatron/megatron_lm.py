@@ -1,7 +1,7 @@
 """`install()`: plug topo-align into an unmodified Megatron-LM (``megatron.training``).
 
 Megatron-LM looks the following names up as module globals at call time, so rebinding them is
-enough (research/megatron.md section 2, option A) and no Megatron-LM file is edited:
+enough (docs/megatron.md, "Three ways in") and no Megatron-LM file is edited:
 
 * ``megatron.training.arguments.add_megatron_arguments`` -> also adds the ``--topo-align*`` flags,
   so the stock ``pretrain_gpt.py`` (whose ``extra_args_provider`` is ModelOpt's or None) accepts
@@ -45,6 +45,9 @@ def _ddp_config_cls():
         """Megatron's DDP config plus the resolved topo-align config (filled by ``get_model``)."""
 
         topo_align_resolved: Any = None
+        topo_align_groups: Any = None
+        """The `GroupSet` the first TopoAlignDDP chunk built from this config stores, so later chunks
+        of the same model reuse its communicators."""
 
     return TopoAlignDDPConfig
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import AdaptiveConfig
-from .classes import SYNC
+from .classes import LOCAL, SYNC
 from .collectives import run
 from .regroup import choose_plan, regroup
 
@@ -231,11 +231,14 @@ class AdaptiveController:
         e = self.engine
         g = e.groups
         t = torch.ones(self.probe_numel, device=e.device)
+        # inter_low belongs to the LOCAL worker (ordering rule, engine.py): wait for an average in
+        # flight there (so it is not timed), then probe on that worker.
+        e.drain()
         if e.cuda:
             torch.cuda.synchronize(e.device)
         t0 = time.perf_counter()
-        run("all_reduce(probe)", "inter", g.inter_low, g, t.numel() * 4, None,
-            lambda: dist.all_reduce(t, group=g.inter_low))
+        e.run(LOCAL, lambda: run("all_reduce(probe)", "inter", g.inter_low, g, t.numel() * 4, None,
+                                 lambda: dist.all_reduce(t, group=g.inter_low)))
         if e.cuda:
             torch.cuda.synchronize(e.device)
         return time.perf_counter() - t0
