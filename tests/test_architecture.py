@@ -59,14 +59,11 @@ KNOWN_LAYER_EXCEPTIONS: set[tuple[str, str]] = set()
 FRAMEWORKS = {"deepspeed": {"deepspeed", "train", "bench"}, "megatron": {"megatron", "train", "bench"}}
 
 # TODO(#14): removed by the adapter rewrite. (importing module, private name) pairs.
-KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = {
-    ("topo_integrations.megatron.ddp", "topo_integrations.reducer.collectives._run"),
-    ("topo_integrations.megatron.ddp", "topo_integrations.reducer.collectives._hop"),
-}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 MAX_LINES = 500
 # TODO(#14): removed by the adapter rewrite (megatron/ddp.py is split by job; reducer.py likewise).
-KNOWN_LONG_MODULES = {"topo_integrations/megatron/ddp.py"}
+KNOWN_LONG_MODULES: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:
@@ -259,11 +256,7 @@ SCANNED_DIRS = ("topo_integrations", "docs", "scripts", "tests", "configs", "pat
 SUFFIXES = {".py", ".md", ".sh", ".json", ".args", ".txt", ".toml", ".ini", ".patch", ""}
 
 # TODO(#14): removed by the adapter rewrite (comments in modules other work is rewriting).
-KNOWN_OUTSIDE_REFERENCES = {
-    "topo_integrations/megatron/__init__.py", "topo_integrations/megatron/classes.py",
-    "topo_integrations/megatron/cpu_compat.py", "topo_integrations/megatron/ddp.py",
-    "topo_integrations/megatron/flags.py", "topo_integrations/megatron/megatron_lm.py",
-}
+KNOWN_OUTSIDE_REFERENCES: set[str] = set()
 
 
 def _scanned_files():

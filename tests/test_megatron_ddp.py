@@ -186,7 +186,8 @@ class _Spy:
         self.handles = [h for g in gs for h in (getattr(g, k, None) for k in kinds) if h is not None]
         self.low = [h for g in gs for h in (getattr(g, k, None) for k in kinds if k.endswith("_low")) if h is not None]
         self.outside, self.wrong_thread, self.seen = [], [], 0
-        self.saved = {("C", "run"): C.run, ("C", "_all_gather"): C._all_gather, ("C", "_reduce_scatter"): C._reduce_scatter}
+        self.saved = {("C", "run"): C.run, ("C", "_all_gather"): C._all_gather,
+                      ("C", "_reduce_scatter"): C._reduce_scatter}
         self.saved.update({("dist", op): getattr(dist, op) for op in self.OPS})
 
     def __enter__(self):

@@ -140,7 +140,8 @@ class TopoAlignDDP(DistributedDataParallel):
         if not groups.hierarchical:
             reason = groups.plan.reason
             if cfg.fallback.on_flat_topology == "error":
-                raise TopoAlignDDPError(f"topo_align: fallback.on_flat_topology = 'error' and the topology has a single "
+                raise TopoAlignDDPError(f"topo_align: fallback.on_flat_topology = 'error' and the topology has a "
+                                        "single "
                                         f"tier ({reason}); use 'flat' to fall back to Megatron's reduction")
             self.topo_reason = f"falling back to Megatron's reduction: {reason}"
             log.warning("topo_align: %s", self.topo_reason)
@@ -341,7 +342,8 @@ class TopoAlignDDP(DistributedDataParallel):
                 f"this run uses {my_mode!r} (active={self.topo_active})")
         mine = self.topo_groups.plan.to_json() if self.topo_groups is not None else None
         if mine is not None and sd.get("plan") is not None and \
-                (sd["plan"]["intra_groups"], sd["plan"]["inter_groups"]) != (mine["intra_groups"], mine["inter_groups"]):
+                (sd["plan"]["intra_groups"], sd["plan"]["inter_groups"]) != \
+                (mine["intra_groups"], mine["inter_groups"]):
             raise TopoAlignDDPError(
                 f"topo_align: checkpoint groups {sd['plan']['intra_groups']} differ from this run's "
                 f"{mine['intra_groups']}; resume on the same layout (or drop the plugin state)")

@@ -16,6 +16,7 @@ communicator costs memory on every GPU). There is no module-level cache: `TopoAl
 from __future__ import annotations
 
 import json
+
 import torch.distributed as dist
 
 from ..config import TopoAlignConfig

@@ -3,8 +3,8 @@
 Every key of the block either works in `TopoAlignDDP` (docs/megatron.md, "Keys") or is listed here
 with why and what to use instead. A key is refused only when the user set it
 (`TopoAlignConfig.explicit_keys`) to a value other than its default and the setting conflicts with
-what Megatron owns, so the schema defaults never trip a refusal. The messages name the key, the value, the adapter and the
-replacement; tests/test_megatron_unit.py checks them word for word.
+what Megatron owns, so the schema defaults never trip a refusal. The messages name the key, the value, the
+adapter and the replacement; tests/test_megatron_unit.py checks them word for word.
 
 Megatron settings that the plugin cannot combine with a mode (not ``topo_align`` keys) are checked
 here too (`check_megatron_settings`), with the same message shape.
