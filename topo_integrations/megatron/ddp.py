@@ -141,8 +141,7 @@ class TopoAlignDDP(DistributedDataParallel):
             reason = groups.plan.reason
             if cfg.fallback.on_flat_topology == "error":
                 raise TopoAlignDDPError(f"topo_align: fallback.on_flat_topology = 'error' and the topology has a "
-                                        "single "
-                                        f"tier ({reason}); use 'flat' to fall back to Megatron's reduction")
+                                        f"single tier ({reason}); use 'flat' to fall back to Megatron's reduction")
             self.topo_reason = f"falling back to Megatron's reduction: {reason}"
             log.warning("topo_align: %s", self.topo_reason)
             return
