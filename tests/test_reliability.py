@@ -247,6 +247,9 @@ def _scripted_slow_link(rank, world_size):
         return decide(Measurement(inter_gbps=inter, probe_gbps=probe, step_s=step_s, steps=1))
 
     ctrl.policy.decide = injected
+    # Regrouping compares probed plans, which load can tip: only the current plan is offered, so
+    # the groups (and this controller) stay and the script alone decides.
+    ctrl.regroup_source = lambda c: ({"current": c.engine.groups.plan}, {"current": (1.0, 0.002)})
     steps = []
     for i in range(1, len(SCRIPT) + 1):
         g = torch.Generator().manual_seed(10 * i + rank)
@@ -267,6 +270,7 @@ def _scripted_slow_link(rank, world_size):
         b = red.stats()["step"]["bytes"]  # this step's window: gradient traffic of the two classes
         steps.append({"step": i, "level": level, "mode": mode, "err": err,
                       "inter": b["inter"]["sync"] + b["inter"]["local"], "dp": b["dp"]["sync"] + b["dp"]["local"]})
+    assert red.adaptive is ctrl, "the controller was replaced (a regroup happened)"
     out = {"steps": steps, "checked": seen, "levels": list(ctrl.policy.available),
            "events": [(e["step"], e["from"], e["to"], e["reason"]) for e in ctrl.events]}
     red.close()

@@ -80,6 +80,7 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
         fresh.regroup_margin = ctrl.regroup_margin
         fresh.regroup_source = ctrl.regroup_source
         fresh.regroup_decisions = list(ctrl.regroup_decisions)
+        fresh.checks = list(ctrl.checks)  # the record continues across the rebuild
         fresh.events = ctrl.events + [{"step": engine.step, "from": "groups", "to": "regrouped",
                                        "reason": reason, "measurement": {}}]
         engine.adaptive = fresh
