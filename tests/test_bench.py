@@ -61,6 +61,24 @@ def test_two_leaves_hierarchical_cuts_spine_bytes_by_a_third():
 
 
 @pytest.mark.timeout(10)
+def test_three_levels_on_2leaf8_cut_spine_bytes_to_two_thirds_of_two_levels():
+    from topo_integrations.bench.driver import PRESETS, _layout
+    from topo_integrations.topology.file_source import load_topology_file
+
+    topo = load_topology_file(str(ROOT / PRESETS["2leaf8"].topology))
+    three, two = _layout(topo, "island", True), _layout(topo, "island", False)
+    assert three.leaf_rails == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert three.spine_rails == ((0, 4), (2, 6), (1, 5), (3, 7))
+    assert two.spine_rails == () and two.rails == ((0, 2, 4, 6), (1, 3, 5, 7))
+    # 3 levels: 4 leaf rails of 2, reduce-scatter + all-gather of S/2 (S per rail), all cross a node;
+    # 4 spine rails of 2, all-reduce of S/4 (S/2 per rail), all cross a node and a leaf.
+    assert theory_bytes("topo-hier", three, P, {"steps": 1}) == pytest.approx({"node": 6 * S, "leaf": 2 * S})
+    # 2 levels: 2 rails of 4 (ring 0-2-4-6), all-reduce of S/2: 4 edges x 3S/4, 2 of them leave a leaf.
+    assert theory_bytes("topo-hier", two, P, {"steps": 1}) == pytest.approx({"node": 6 * S, "leaf": 3 * S})
+    assert theory_bytes("ddp", three, P, {"steps": 1}) == pytest.approx({"node": 7 * S, "leaf": 3.5 * S})
+
+
+@pytest.mark.timeout(10)
 def test_selective_and_post_local_sgd_average_over_the_run():
     sel = theory_bytes("topo-selective", L2X2, P, {"steps": 8, "sync_fraction": 0.25, "reconcile_interval": 4,
                                                    "reconciles": 2})
@@ -141,6 +159,42 @@ def test_summary_target_and_goals():
 
 
 @pytest.mark.timeout(10)
+def test_repeats_take_the_median_run_flag_a_wide_spread_and_measure_the_comm_share():
+    losses = [5.0, 4.0, 3.0, 3.0]
+
+    def runs(key, medians):
+        out = []
+        for i, m in enumerate(medians):
+            r = _fake(key, [9.0, m, m, m], losses)
+            r.update(repeat=i + 1, load_start=1.0 + i, load_end=2.0 + i)
+            out.append(r)
+        return out
+
+    zero0 = {"key": "ds-zero0", "label": SYSTEMS["ds-zero0"].label, "status": "ok",
+             "runs": runs("ds-zero0", [1.0, 1.2, 0.9])}
+    sel = {"key": "topo-selective", "label": SYSTEMS["topo-selective"].label, "status": "ok",
+           "runs": runs("topo-selective", [0.3, 0.5, 0.4]) + [{"repeat": 4, "status": "failed", "reason": "x"}]}
+    res = _results([zero0, sel])
+    res["comm_share"] = {"system": "ds-zero0", "unshaped_mbit": 1e4, "runs": runs("ds-zero0", [0.2, 0.25, 0.3])}
+    summarize(res)
+    assert zero0["repeats"]["picked_run"] == 1 and zero0["summary"]["step_median_s"] == pytest.approx(1.0)
+    assert zero0["repeats"]["spread"] == pytest.approx(0.3) and zero0["repeats"]["over_limit"] is True
+    assert sel["repeats"]["n"] == 3 and sel["repeats"]["failed"] == 1 and sel["repeats"]["picked_run"] == 3
+    assert sel["repeats"]["spread"] == pytest.approx(0.5)
+    assert sel["summary"]["speedup_vs_ref"] == pytest.approx(2.5)
+    cs = res["comm_share"]
+    assert cs["unshaped_median_s"] == pytest.approx(0.25) and cs["share"] == pytest.approx(0.75)
+    assert "75% of the step is communication" in cs["detail"]
+    g = next(g for g in res["goals"] if g["goal"].startswith("topo-selective: >= 2x"))
+    assert g["met"] is True and "spread over 25% across runs for topo-selective, ds-zero0" in g["detail"]
+    md = markdown(res)
+    assert "3 runs: medians 1.000, 1.200, 0.900, spread 30% **> 25%: noisy**" in md
+    assert "ds-zero0 1→2 / 2→3 / 3→4" in md and "Communication share: ds-zero0: median step 1.000 s" in md
+    summarize(res)  # again (--from-results): the same figures
+    assert sel["summary"]["step_median_s"] == pytest.approx(0.4) and cs["share"] == pytest.approx(0.75)
+
+
+@pytest.mark.timeout(10)
 def test_write_section_replaces_only_its_preset(tmp_path):
     f = tmp_path / "b.md"
     f.write_text("# Benchmarks\n\nprose\n")
@@ -156,6 +210,9 @@ def test_write_section_replaces_only_its_preset(tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["--systems", "ddp,bogus"], "topo-align bench: --systems: unknown bogus; accepted: "),
     (["--steps", "0"], "topo-align bench: --steps 0: must be at least 1"),
+    (["--repeats", "0"], "topo-align bench: --repeats 0: must be at least 1"),
+    (["--systems", "ddp", "--comm-share"],
+     "topo-align bench: --comm-share: needs ds-zero0 among --systems (it is the system measured)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, msg):
     p = subprocess.run([PY, "-m", "topo_integrations.cli", "bench", *args], cwd=ROOT, env=ENV,

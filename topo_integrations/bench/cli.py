@@ -23,6 +23,14 @@ QUICK = dict(steps=6, micro_batch=2, layers=2, hidden=64, heads=2, seq_length=32
              reconcile_interval=2)
 """--quick: a few steps of a tiny GPT (CI smoke test); figures from it mean nothing."""
 
+MODELS = {
+    "default": {},
+    "deep": dict(layers=16, hidden=64, heads=4, seq_length=64, sync_last_n_layers=5),
+}
+"""--model: `deep` is a 16-layer x 64-wide GPT (0.8M parameters): few FLOPs per byte, so the shaped
+links dominate the step as on a real cluster, and selective's default (last 5 layers + 15% SYNC)
+keeps about a third of the elements SYNC rather than most of them."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .driver import PRESETS
@@ -33,6 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=None, metavar="A,B,...",
                    help=f"comma-separated subset, in run order (default: all): {', '.join(SYSTEMS)}")
     p.add_argument("--quick", action="store_true", help="a few steps of a tiny model (smoke test)")
+    p.add_argument("--model", default="default", choices=sorted(MODELS),
+                   help="workload shape: default (4 x 256) or deep (16 x 64, communication-bound); "
+                        "--layers/--hidden/... override it")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per system, interleaved A B C A B C ... (default 1); the table gives the "
+                        "median run and the spread, and flags a spread over 25%%")
+    p.add_argument("--comm-share", action="store_true",
+                   help="also run ds-zero0 with every link unshaped and report the share of its step spent "
+                        "communicating")
     p.add_argument("--steps", type=int, default=None, help="training steps per system (default 40)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per step (default 8)")
     p.add_argument("--layers", type=int, default=None, help="GPT layers (default 4)")
@@ -63,11 +80,12 @@ def _spec(args: argparse.Namespace):
     from .driver import BenchSpec
     from .systems import SYSTEMS
 
-    kw: dict = {}
+    kw: dict = dict(MODELS[args.model])
     if args.quick:
         kw.update(QUICK)
+    kw["comm_share"] = bool(args.comm_share)
     for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "lr", "warmup_steps",
-                 "reconcile_interval", "localsgd_warmup", "target_loss", "seed", "uplink_mbit"):
+                 "reconcile_interval", "localsgd_warmup", "target_loss", "seed", "uplink_mbit", "repeats"):
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
@@ -142,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     print(table(results))
     for g in results.get("goals", []):
         print(f"goal: {g['goal']}: {g['met']}: {g['detail']}")
+    if results.get("comm_share"):
+        print(f"communication share: {results['comm_share'].get('detail')}")
     return 1 if any(e.get("status") == "failed" for e in results["systems"]) else 0
 
 

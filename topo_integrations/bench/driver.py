@@ -47,6 +47,8 @@ class Preset:
     group_by: str
     uplink_mbit: float
     description: str
+    middle_level: bool = False
+    """topo-align systems reduce over three levels (``topology.middle_level``)."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -56,7 +58,17 @@ PRESETS: dict[str, Preset] = {
                   "4 nodes x 1 rank under one leaf, node uplinks 200 Mbit/s (a flat cluster)"),
     "2leaf": Preset("configs/topologies/virtual-2leaf.json", "leaf", 200.0,
                     "2 leaves x 2 nodes x 1 rank, node uplinks 200 Mbit/s, spine 2:1 oversubscribed"),
+    "2leaf8": Preset("configs/topologies/virtual-2leaf-8.json", "island", 200.0,
+                     "2 leaves x 2 nodes x 2 ranks (8 ranks), node uplinks 200 Mbit/s, spine 2:1 "
+                     "oversubscribed; topo-align reduces over three levels (island, leaf rail, spine rail)",
+                     middle_level=True),
 }
+
+
+COMM_SHARE_SYSTEM = "ds-zero0"
+UNSHAPED_MBIT = 10_000.0
+"""Rate of every link in the unshaped runs of --comm-share: 50x the presets' uplinks, so what is left
+of a step is compute, the loopback tier and the kernel's TCP work."""
 
 
 @dataclass
@@ -91,6 +103,11 @@ class BenchSpec:
     """Overrides the preset's topology file."""
     group_by: str | None = None
     corpus_max_bytes: int = 4 * 1024 * 1024
+    repeats: int = 1
+    """Runs per system, interleaved (A B C A B C ...); the report gives the median run and the spread."""
+    comm_share: bool = False
+    """Also run the reference (stock DeepSpeed ZeRO-0) with every link unshaped, ``repeats`` times, and
+    report the share of its shaped step spent in communication: 1 - unshaped / shaped median step."""
 
     def check(self) -> None:
         if self.preset not in PRESETS:
@@ -101,7 +118,7 @@ class BenchSpec:
         if not self.systems:
             raise BenchError("--systems: give at least one system")
         for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "reconcile_interval",
-                     "eval_batches"):
+                     "eval_batches", "repeats"):
             if int(getattr(self, name)) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: must be at least 1")
         if self.hidden % self.heads:
@@ -112,6 +129,8 @@ class BenchSpec:
             raise BenchError(f"--uplink-mbit {self.uplink_mbit!r}: expected a number in [0.01, 1e7] (Mbit/s)")
         if self.target_loss is not None and not self.target_loss > 0:
             raise BenchError(f"--target-loss {self.target_loss!r}: must be positive")
+        if self.comm_share and COMM_SHARE_SYSTEM not in self.systems:
+            raise BenchError(f"--comm-share: needs {COMM_SHARE_SYSTEM} among --systems (it is the system measured)")
 
     @property
     def topology_file(self) -> str:
@@ -182,10 +201,12 @@ class _Poller(threading.Thread):
         self.join(timeout=5)
 
 
-def _layout(topo, group_by: str) -> Layout:
-    plan = plan_groups(topo, group_by=group_by)
+def _layout(topo, group_by: str, middle_level: bool = False) -> Layout:
+    plan = plan_groups(topo, group_by=group_by, middle_level=middle_level)
+    three = plan.hierarchical and plan.middle_level
     return Layout(tuple(r.host for r in topo.ranks), tuple(r.leaf for r in topo.ranks),
-                  tuple(tuple(g) for g in plan.intra_groups) if plan.hierarchical else None)
+                  tuple(tuple(g) for g in plan.intra_groups) if plan.hierarchical else None,
+                  leaf_rails=plan.leaf_rails if three else (), spine_rails=plan.spine_rails if three else ())
 
 
 def machine_description() -> dict:
@@ -225,7 +246,7 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
     preset = PRESETS[spec.preset]
     topo = load_topology_file(spec.topology_file)
     group_by = spec.group_by or preset.group_by
-    layout = _layout(topo, group_by)
+    layout = _layout(topo, group_by, preset.middle_level)
     world = topo.world_size
     os.makedirs(spec.out_dir, exist_ok=True)
     reason = unavailable_reason()
@@ -246,6 +267,7 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
             "hosts": list(layout.hosts),
             "leaves": list(layout.leaves),
             "groups": [list(g) for g in layout.groups] if layout.groups else None,
+            "leaf_rails": [list(g) for g in layout.leaf_rails], "spine_rails": [list(g) for g in layout.spine_rails],
         },
         "machine": machine_description(),
         "dataset": manifest,
@@ -262,18 +284,39 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
             "spines": [{"leaf": s.leaf, "rate_mbit": s.shape.rate_mbit, "delay_ms": s.shape.delay_ms}
                        for s in cluster.layout.spines],
         }
-        for i, key in enumerate(spec.systems):
+        entries = {}
+        for key in spec.systems:
             system = SYSTEMS[key]
             entry = {"key": key, "label": system.label, "framework": system.framework, "note": system.note}
             why = availability(system)
             if why:
                 entry.update(status="not run", reason=why)
                 log(f"bench: {key}: not run ({why})")
-                results["systems"].append(entry)
-                continue
-            entry.update(_run_one(cluster, launch, spec, key, i, layout, group_by, train_npz, val_npz, log))
+            else:
+                entry.update(status="pending", runs=[])
+            entries[key] = entry
             results["systems"].append(entry)
-            _write(os.path.join(spec.out_dir, "results.json"), results)
+        # Interleaved (A B C A B C ...): a slow minute of the shared machine hits one run of each
+        # system rather than every run of one.
+        for rep in range(spec.repeats):
+            for i, key in enumerate(spec.systems):
+                entry = entries[key]
+                if entry["status"] == "not run":
+                    continue
+                tag = key if spec.repeats == 1 else os.path.join(key, f"run{rep + 1}")
+                one = _run_one(cluster, launch, spec, key, i, layout, group_by, train_npz, val_npz, log, tag=tag)
+                entry["runs"].append({"repeat": rep + 1, **one})
+                _merge_runs(entry)
+                _write(os.path.join(spec.out_dir, "results.json"), results)
+        if spec.comm_share and entries[COMM_SHARE_SYSTEM]["status"] != "not run":
+            results["comm_share"] = {"system": COMM_SHARE_SYSTEM, "unshaped_mbit": UNSHAPED_MBIT, "runs": []}
+            with _unshaped(cluster):
+                for rep in range(spec.repeats):
+                    one = _run_one(cluster, launch, spec, COMM_SHARE_SYSTEM, 0, layout, group_by, train_npz,
+                                   val_npz, log, tag=os.path.join(COMM_SHARE_SYSTEM, f"unshaped{rep + 1}"))
+                    one.pop("theory", None)
+                    results["comm_share"]["runs"].append({"repeat": rep + 1, **one})
+                    _write(os.path.join(spec.out_dir, "results.json"), results)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     from .report import summarize
 
@@ -282,9 +325,41 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
     return results
 
 
+def _merge_runs(entry: dict) -> None:
+    """The entry's status from its runs: ok when one ran; else the last failure's."""
+    ok = [r for r in entry["runs"] if r.get("status") == "ok"]
+    if ok:
+        entry["status"] = "ok"
+        entry.pop("reason", None)
+    else:
+        entry.update(status="failed", reason=entry["runs"][-1].get("reason", ""))
+
+
+class _unshaped:
+    """Every node uplink and spine link at UNSHAPED_MBIT inside the block; the planned shapes after."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.saved: list = []
+
+    def __enter__(self):
+        c = self.cluster
+        for n in c.layout.nodes:
+            self.saved.append((c.set_link, n.host, c.link_shape(n.host).rate_mbit))
+            c.set_link(n.host, rate_mbit=UNSHAPED_MBIT)
+        for sp in c.layout.spines:
+            self.saved.append((c.set_spine, sp.leaf, c.link_shape(f"{sp.leaf}:spine").rate_mbit))
+            c.set_spine(sp.leaf, rate_mbit=UNSHAPED_MBIT)
+        return self
+
+    def __exit__(self, *exc):
+        for fn, name, rate in self.saved:
+            fn(name, rate_mbit=rate)
+
+
 def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Layout, group_by: str,
-             train_npz: str, val_npz: str, log) -> dict:
-    sys_dir = os.path.abspath(os.path.join(spec.out_dir, key))
+             train_npz: str, val_npz: str, log, *, tag: str | None = None) -> dict:
+    sys_dir = os.path.abspath(os.path.join(spec.out_dir, tag or key))
     ctl = os.path.join(sys_dir, "ctl")
     os.makedirs(ctl, exist_ok=True)
     for name in os.listdir(ctl):
@@ -302,12 +377,14 @@ def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Lay
         "eval_batches": spec.eval_batches, "timeout_s": max(60.0, spec.timeout_s),
         "train_npz": os.path.abspath(train_npz), "val_npz": os.path.abspath(val_npz),
         "out_dir": sys_dir, "ctl_dir": ctl, "topology_file": spec.topology_file, "group_by": group_by,
+        "middle_level": PRESETS[spec.preset].middle_level,
         "groups": [list(g) for g in layout.groups] if layout.groups else None,
         "nodes": len(set(layout.hosts)),
     }
     spec_path = os.path.join(sys_dir, "spec.json")
     _write(spec_path, wspec)
-    log(f"bench: {key}: running {spec.steps} steps on {len(layout.hosts)} ranks ...")
+    log(f"bench: {tag or key}: running {spec.steps} steps on {len(layout.hosts)} ranks "
+        f"(load {os.getloadavg()[0]:.1f}) ...")
     poller = _Poller(cluster, ctl)
     poller.start()
     env_note = {"load_start": os.getloadavg()[0]}  # other jobs on the shared cores skew step times
@@ -348,7 +425,7 @@ def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Lay
     th = theory_bytes(key, layout, r["params"], r.get("info", {}))
     if th is not None:
         entry["theory"] = {"cross_node_bytes_per_step": th["node"], "cross_leaf_bytes_per_step": th["leaf"]}
-    log(f"bench: {key}: done in {wall:.0f} s")
+    log(f"bench: {tag or key}: done in {wall:.0f} s (load {env_note['load_end']:.1f})")
     return entry
 
 

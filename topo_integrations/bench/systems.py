@@ -30,6 +30,10 @@ class Layout:
     hosts: tuple[str, ...]
     leaves: tuple[str, ...]
     groups: tuple[tuple[int, ...], ...] | None
+    leaf_rails: tuple[tuple[int, ...], ...] = ()
+    """With ``topology.middle_level`` (3 levels): the rails inside each leaf, and the rails across
+    leaves (``spine_rails``); empty for the 2-level form."""
+    spine_rails: tuple[tuple[int, ...], ...] = ()
 
     @property
     def world(self) -> int:
@@ -71,13 +75,19 @@ def flat_ring(layout: Layout, nbytes: float) -> dict[str, float]:
 
 
 def hierarchical(layout: Layout, nbytes: float) -> dict[str, float]:
-    """Intra reduce-scatter + rail all-reduce of the 1/k shard + intra all-gather."""
+    """Intra reduce-scatter + rail all-reduce of the 1/k shard + intra all-gather; with three levels
+    the rail step is a leaf-rail reduce-scatter of the 1/k shard, a spine-rail all-reduce of the
+    1/(k*m) piece and the leaf-rail all-gather (m = islands per leaf)."""
     if layout.groups is None:
         return flat_ring(layout, nbytes)
     k = len(layout.groups[0])
-    parts = [ring_bytes(layout, g, nbytes, "scatter") for g in layout.groups]
-    parts += [ring_bytes(layout, g, nbytes, "gather") for g in layout.groups]
-    parts += [ring_bytes(layout, r, nbytes / k, "allreduce") for r in layout.rails]
+    parts = [ring_bytes(layout, g, nbytes, kind) for g in layout.groups for kind in ("scatter", "gather")]
+    if layout.spine_rails:
+        m = len(layout.leaf_rails[0])
+        parts += [ring_bytes(layout, r, nbytes / k, kind) for r in layout.leaf_rails for kind in ("scatter", "gather")]
+        parts += [ring_bytes(layout, r, nbytes / (k * m), "allreduce") for r in layout.spine_rails]
+    else:
+        parts += [ring_bytes(layout, r, nbytes / k, "allreduce") for r in layout.rails]
     return _add(*parts)
 
 
@@ -104,7 +114,7 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
     if key == "megatron-distopt":
         # Instances = nodes: reduce-scatter inside the instance, all-reduce of the shard across
         # instances, parameter all-gather inside the instance: the hierarchical pattern by node.
-        return hierarchical(Layout(layout.hosts, layout.leaves, _node_groups(layout)), S)
+        return hierarchical(Layout(layout.hosts, layout.leaves, _node_groups(layout)), S)  # 2 levels
     if key in ("topo-hier", "ds-topo-hier"):
         return hierarchical(layout, S)
     if key in ("topo-selective", "ds-topo-selective"):

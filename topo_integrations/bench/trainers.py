@@ -135,7 +135,8 @@ class _PostLocalSGD(_Plain):
 def _block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
     return {
         "enabled": True, "mode": mode,
-        "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"]},
+        "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
+                     "middle_level": bool(spec.get("middle_level", False))},
         "sync": {"last_n_layers": spec["sync_last_n_layers"]},
         "local": {"reconcile_interval": spec["reconcile_interval"], "async_reconcile": async_reconcile},
     }
