@@ -90,6 +90,20 @@ def test_selective_and_post_local_sgd_average_over_the_run():
     assert pl["node"] == pytest.approx((2 * 3 * S + 2 * 3 * S) / 10)
 
 
+@pytest.mark.timeout(30)
+def test_topo_set_and_middle_level_reach_the_block():
+    from topo_integrations.bench.trainers import _block
+    from topo_integrations.config import TopoAlignConfig
+
+    spec = {"topology_file": "t.json", "group_by": "island", "middle_level": True, "sync_last_n_layers": 5,
+            "reconcile_interval": 4, "topo_set": {"local.reconcile_dtype": "bf16", "local.reconcile_interval": 2}}
+    block = _block(spec, "selective", async_reconcile=True)
+    assert block["local"] == {"reconcile_interval": 2, "async_reconcile": True, "reconcile_dtype": "bf16"}
+    assert block["topology"]["middle_level"] is True
+    cfg = TopoAlignConfig.model_validate(block)
+    assert cfg.local.reconcile_interval == 2 and cfg.topology.middle_level is True
+
+
 @pytest.mark.timeout(10)
 def test_availability_names_the_missing_piece():
     def importer(name):
@@ -211,6 +225,8 @@ def test_write_section_replaces_only_its_preset(tmp_path):
     (["--systems", "ddp,bogus"], "topo-align bench: --systems: unknown bogus; accepted: "),
     (["--steps", "0"], "topo-align bench: --steps 0: must be at least 1"),
     (["--repeats", "0"], "topo-align bench: --repeats 0: must be at least 1"),
+    (["--topo-set", "local.bogus=1"], "topo-align bench: --topo-set: topo_align: unknown field 'local.bogus'"),
+    (["--topo-set", "bf16"], "topo-align bench: --topo-set 'bf16': expected KEY=VALUE"),
     (["--systems", "ddp", "--comm-share"],
      "topo-align bench: --comm-share: needs ds-zero0 among --systems (it is the system measured)"),
 ])

@@ -25,11 +25,11 @@ QUICK = dict(steps=6, micro_batch=2, layers=2, hidden=64, heads=2, seq_length=32
 
 MODELS = {
     "default": {},
-    "deep": dict(layers=16, hidden=64, heads=4, seq_length=64, sync_last_n_layers=5),
+    "deep": dict(layers=16, hidden=64, heads=4, seq_length=64, micro_batch=4, sync_last_n_layers=5),
 }
-"""--model: `deep` is a 16-layer x 64-wide GPT (0.8M parameters): few FLOPs per byte, so the shaped
-links dominate the step as on a real cluster, and selective's default (last 5 layers + 15% SYNC)
-keeps about a third of the elements SYNC rather than most of them."""
+"""--model: `deep` is a 16-layer x 64-wide GPT (0.8M parameters, micro-batch 4 of 64 tokens): few
+FLOPs per byte, so with slow uplinks (--uplink-mbit 50) the links dominate the step as on a real
+cluster, and selective's default (last 5 layers + 15% SYNC) keeps a minority of the elements SYNC."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per system, interleaved A B C A B C ... (default 1); the table gives the "
                         "median run and the spread, and flags a spread over 25%%")
+    p.add_argument("--topo-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a topo_align key for every topo-align system, e.g. local.reconcile_dtype=bf16 "
+                        "(VALUE read as JSON, else a string); repeatable")
     p.add_argument("--comm-share", action="store_true",
                    help="also run ds-zero0 with every link unshaped and report the share of its step spent "
                         "communicating")
@@ -84,6 +87,7 @@ def _spec(args: argparse.Namespace):
     if args.quick:
         kw.update(QUICK)
     kw["comm_share"] = bool(args.comm_share)
+    kw["topo_set"] = _topo_set(args.topo_set)
     for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "lr", "warmup_steps",
                  "reconcile_interval", "localsgd_warmup", "target_loss", "seed", "uplink_mbit", "repeats"):
         v = getattr(args, name)
@@ -93,6 +97,23 @@ def _spec(args: argparse.Namespace):
         kw["timeout_s"] = args.timeout
     systems = tuple(SYSTEMS) if args.systems is None else tuple(s.strip() for s in args.systems.split(",") if s.strip())
     return BenchSpec(preset=args.preset, systems=systems, out_dir=args.out_dir, **kw)
+
+
+def _topo_set(items: list[str]) -> dict:
+    import json
+
+    from .driver import BenchError
+
+    out = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise BenchError(f"--topo-set {item!r}: expected KEY=VALUE, e.g. local.reconcile_dtype=bf16")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
 
 
 def write_section(path: str, preset: str, text: str) -> None:

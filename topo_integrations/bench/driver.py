@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -103,6 +103,8 @@ class BenchSpec:
     """Overrides the preset's topology file."""
     group_by: str | None = None
     corpus_max_bytes: int = 4 * 1024 * 1024
+    topo_set: dict = field(default_factory=dict)
+    """Dotted ``topo_align`` keys set for every topo-align system (``--topo-set KEY=VALUE``)."""
     repeats: int = 1
     """Runs per system, interleaved (A B C A B C ...); the report gives the median run and the spread."""
     comm_share: bool = False
@@ -129,6 +131,13 @@ class BenchSpec:
             raise BenchError(f"--uplink-mbit {self.uplink_mbit!r}: expected a number in [0.01, 1e7] (Mbit/s)")
         if self.target_loss is not None and not self.target_loss > 0:
             raise BenchError(f"--target-loss {self.target_loss!r}: must be positive")
+        if self.topo_set:
+            from ..config import ConfigError, TopoAlignConfig
+
+            try:
+                TopoAlignConfig.model_validate({"enabled": True}).with_overrides(self.topo_set)
+            except (ConfigError, ValueError) as exc:
+                raise BenchError(f"--topo-set: {str(exc).splitlines()[0]}") from None
         if self.comm_share and COMM_SHARE_SYSTEM not in self.systems:
             raise BenchError(f"--comm-share: needs {COMM_SHARE_SYSTEM} among --systems (it is the system measured)")
 
@@ -377,7 +386,7 @@ def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Lay
         "eval_batches": spec.eval_batches, "timeout_s": max(60.0, spec.timeout_s),
         "train_npz": os.path.abspath(train_npz), "val_npz": os.path.abspath(val_npz),
         "out_dir": sys_dir, "ctl_dir": ctl, "topology_file": spec.topology_file, "group_by": group_by,
-        "middle_level": PRESETS[spec.preset].middle_level,
+        "middle_level": PRESETS[spec.preset].middle_level, "topo_set": dict(spec.topo_set),
         "groups": [list(g) for g in layout.groups] if layout.groups else None,
         "nodes": len(set(layout.hosts)),
     }

@@ -151,7 +151,7 @@ def summarize(results: dict, *, target_loss: float | None = None) -> dict:
 def _goals(results: dict, ok: dict) -> list[dict]:
     goals = []
     base = ok.get("ds-zero0")
-    for key in ("topo-selective", "ds-topo-selective"):
+    for key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1"):
         e = ok.get(key)
         g = {"goal": f"{key}: >= 2x the step throughput of stock DeepSpeed ZeRO-0 at a final loss within 2%",
              "systems": (key, "ds-zero0")}
@@ -212,7 +212,7 @@ def _row(e: dict) -> str:
     rel = f"{s['speedup_vs_ref']:.2f}x" if "speedup_vs_ref" in s else "–"
     rep = e.get("repeats")
     runs = ""
-    if rep:
+    if rep and rep["n"] > 1:
         runs = (f"; {rep['n']} runs: medians {', '.join(f'{x:.3f}' for x in rep['step_medians_s'])}, spread "
                 f"{rep['spread'] * 100:.0f}%" + (f" **> {SPREAD_LIMIT:.0%}: noisy**" if rep["over_limit"] else ""))
     return (f"| {e['label']} | {s['step_median_s']:.3f} s ({s['step_p25_s']:.3f}–{s['step_p75_s']:.3f}; "
@@ -277,7 +277,9 @@ def markdown(results: dict, images: dict[str, str] | None = None) -> str:
         f"seed {spec['seed']}; selective: last {spec['sync_last_n_layers']} layer(s) + head SYNC, reconcile every "
         f"{spec['reconcile_interval']} steps; post-local SGD: averaging period {spec['reconcile_interval']}, warm-up "
         f"{spec['localsgd_warmup'] if spec['localsgd_warmup'] is not None else spec['warmup_steps']} global steps. "
-        f"Target loss {results['target_loss']:.4f} ({results.get('target_rule')})."
+        + (f"topo_align keys set (--topo-set): {', '.join(f'`{k}={v}`' for k, v in spec['topo_set'].items())}. "
+           if spec.get("topo_set") else "")
+        + f"Target loss {results['target_loss']:.4f} ({results.get('target_rule')})."
         if results.get("target_loss")
         else "",
         "",

@@ -183,6 +183,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
            ("deepspeed", "topo_integrations.deepspeed:initialize")),
     System("ds-topo-selective", "topo-align selective in DeepSpeed ZeRO-0", "topo-align",
            ("deepspeed", "topo_integrations.deepspeed:initialize")),
+    System("ds-topo-selective-z1", "topo-align selective in DeepSpeed ZeRO-1", "topo-align",
+           ("deepspeed", "topo_integrations.deepspeed:initialize"),
+           "no theoretical bytes: ZeRO-1's parameter all-gather follows DeepSpeed's partitioning"),
 ]}
 
 DEFAULT_SYSTEMS: tuple[str, ...] = tuple(SYSTEMS)

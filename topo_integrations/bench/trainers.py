@@ -133,13 +133,20 @@ class _PostLocalSGD(_Plain):
 
 
 def _block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
-    return {
+    block = {
         "enabled": True, "mode": mode,
         "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
                      "middle_level": bool(spec.get("middle_level", False))},
         "sync": {"last_n_layers": spec["sync_last_n_layers"]},
         "local": {"reconcile_interval": spec["reconcile_interval"], "async_reconcile": async_reconcile},
     }
+    for dotted, value in spec.get("topo_set", {}).items():  # --topo-set (checked by BenchSpec.check)
+        *parents, leaf = dotted.split(".")
+        node = block
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return block
 
 
 class _Reducer(_Plain):
@@ -368,6 +375,8 @@ def build(spec: dict):
         return _DeepSpeed(spec, 0 if key == "ds-zero0" else 2)
     if key in ("ds-topo-hier", "ds-topo-selective"):
         return _DeepSpeed(spec, 0, "hierarchical" if key == "ds-topo-hier" else "selective")
+    if key == "ds-topo-selective-z1":
+        return _DeepSpeed(spec, 1, "selective")
     if key in ("megatron-ddp", "megatron-distopt"):
         return _Megatron(spec, distopt=key == "megatron-distopt")
     raise ValueError(f"system {key!r}: unknown")
