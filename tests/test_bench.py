@@ -166,10 +166,23 @@ def test_summary_target_and_goals():
 
     assert goal("topo-selective: >= 2x")["met"] is True
     assert goal("topo-selective: shorter")["met"] is True  # post-local SGD never reaches 3.06
+    assert goal("topo-selective: shorter")["detail"] == \
+        "10.3 s; peers: ds-zero0 12.0 s, post-local-sgd never; fastest peer ds-zero0"
+    assert goal("topo-selective: fewer")["met"] is None  # no byte counters in this fake run
+    assert not [g for g in res["goals"] if "fallback" in g["goal"]]  # not a flat preset
     assert goal("topo-hier: measured")["met"] is False  # +15%
     assert goal("ds-topo-selective: >= 2x")["met"] is None
     md = markdown(res)
     assert "| Megatron-core DDP (stock) | not run (no adapter) |" in md
+    res["layout"] = {"groups": None}  # the flat 4x1 preset: the fallback's overhead against stock
+    summarize(res)
+    assert goal("ds-topo-selective: fallback")["met"] is None
+    fb = goal("topo-selective: fallback")
+    assert fb["met"] is None and fb["detail"] == "not measured: ddp did not run"
+    res["systems"].append(_fake("ddp", [9.0, 0.39, 0.39, 0.39], losses))
+    summarize(res)
+    fb = goal("topo-selective: fallback")
+    assert fb["met"] is True and fb["detail"] == "0.400 s vs 0.390 s (+2.6%)"
 
 
 @pytest.mark.timeout(10)

@@ -171,11 +171,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
     img_dir = args.img_dir or (os.path.join(os.path.dirname(os.path.abspath(args.markdown)), "img") if args.markdown
                                else args.out_dir)
-    stem = f"bench-{spec.preset}" + ("-quick" if args.quick else "")
+    # The section (and image) name: preset, model when not the default, quick.
+    name = spec.preset + (f"-{args.model}" if args.model != "default" else "") + ("-quick" if args.quick else "")
+    stem = f"bench-{name}"
     images = plot(results, img_dir, stem)
     if args.markdown:
         rel = {k: os.path.relpath(v, os.path.dirname(os.path.abspath(args.markdown))) for k, v in images.items()}
-        write_section(args.markdown, spec.preset + ("-quick" if args.quick else ""), markdown(results, rel))
+        write_section(args.markdown, name, markdown(results, rel))
     from .report import table
 
     print(table(results))
