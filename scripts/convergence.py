@@ -52,7 +52,7 @@ TASKS = {
 def grid(kind: str) -> list[tuple[str, str, dict]]:
     """(run name, mode, config overrides) of a grid. `full`: one factor at a time around the defaults."""
     runs = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("selective-default", "selective", {})]
-    if kind in ("deep", "deep-key", "deep-bf16", "deep-final"):
+    if kind in ("deep", "deep-key", "deep-bf16", "deep-final", "deep-gap", "deep-drift"):
         return deep_grid(kind)
     if kind == "probe":
         return [runs[0], runs[2]]
@@ -109,6 +109,18 @@ def deep_grid(kind: str = "deep") -> list[tuple[str, str, dict]]:
         return [chosen, ("local.dtype=bf16", "selective", {"local.dtype": "bf16"})]
     if kind == "deep-final":
         return [key[0], chosen]
+    drift = ("chosen + drift promotion 0.15", "selective", {**chosen[2], "local.promote_drift_fraction": 0.15})
+    if kind == "deep-drift":
+        return [drift]
+    if kind == "deep-gap":  # around the chosen config: what closes the last percent, what the lean set costs
+        c = chosen[2]
+        return [
+            ("chosen + moments every reconciliation", "selective", {**c, "local.moments_interval": 1}),
+            ("chosen + top_fraction 0.3", "selective", {**c, "sync.top_fraction": 0.3}),
+            drift,
+            ("chosen, top_fraction 0, last_n_layers 2", "selective",
+             {**c, "sync.top_fraction": 0.0, "sync.last_n_layers": 2}),
+        ]
     return candidates + [
         ("local.dtype=fp32", "selective", {"local.dtype": "fp32"}),
         ("last_n_layers=8", "selective", {"sync.last_n_layers": 8}),
@@ -419,7 +431,8 @@ def report(results: list[dict], img_dir: Path) -> str:
             vals = ", ".join(f"{r['final'] * scale:.{digits}f}" for r in rr)
             mean = statistics.mean(r["final"] for r in rr) * scale
             gaps = [rel_gap(task, r["final"], ref[r["seed"]]) for r in rr if r["seed"] in ref]
-            g = f"{statistics.mean(gaps):+.2f}" + (f" (±{(max(gaps) - min(gaps)) / 2:.2f})" if len(gaps) > 1 else "")
+            g = (f"{statistics.mean(gaps):+.2f}" + (f" (±{(max(gaps) - min(gaps)) / 2:.2f})" if len(gaps) > 1 else "")
+                 if gaps else "– (no flat run of these seeds)")
             r0 = rr[0]
             share = r0["sync_elements"] / (r0["sync_elements"] + r0["local_elements"])
             steps = r0["curve"][-1][0]
@@ -471,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
     ap.add_argument("--grid", default="full",
-                    choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "probe"])
+                    choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
+                             "deep-drift", "probe"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")

@@ -84,6 +84,12 @@ def test_selective_and_post_local_sgd_average_over_the_run():
                                                    "reconciles": 2})
     # every step: 2*S*0.25; every 4th: LOCAL params + 2 Adam moments, 2*S*3*0.75.
     assert sel["node"] == pytest.approx(2 * S * 0.25 + 2 * S * 3 * 0.75 * 2 / 8)
+    # delta reconciliation on a bf16 wire, moments at every 4th: the first of 4 reconciliations
+    # averages fp32 values (4 B/element), the other 3 bf16 deltas (2 B), one adds both moments (8 B).
+    lean = theory_bytes("ds-topo-selective-z1", L2X2, P, {
+        "steps": 8, "sync_fraction": 0.25, "reconcile_interval": 2, "reconciles": 4, "reconcile_dtype": "bf16",
+        "moments_interval": 4})
+    assert lean["node"] == pytest.approx(2 * S * 0.25 + 2 * 0.75 * P * (4 + 3 * 2 + 8) / 8)
     pl = theory_bytes("post-local-sgd", L2X2, P, {"steps": 10, "localsgd_warmup": 2, "averaging_period": 4,
                                                   "averages": 2})
     # 2 warm-up steps of a world all-reduce (3S), then in-node only, plus 2 world averages (3S).
@@ -171,12 +177,39 @@ def test_summary_target_and_goals():
     assert goal("topo-selective: fewer")["met"] is None  # no byte counters in this fake run
     assert not [g for g in res["goals"] if "fallback" in g["goal"]]  # not a flat preset
     assert goal("topo-hier: measured")["met"] is False  # +15%
+    assert goal("topo-hier: measured")["detail"] == "measured cross-node 2.30 MB/step vs theory 2.00 MB/step (+15.0%)"
+    # goals only for the systems asked for; one asked for that failed is "did not run"
+    assert not [g for g in res["goals"] if g["goal"].startswith(("ds-topo-selective", "ds-topo-hier"))]
+    res["systems"].append({"key": "ds-topo-selective", "label": SYSTEMS["ds-topo-selective"].label,
+                           "status": "failed", "reason": "rank 1 exited 1"})
+    summarize(res)
     assert goal("ds-topo-selective: >= 2x")["met"] is None
+    assert goal("ds-topo-selective: >= 2x")["detail"] == "not measured: ds-topo-selective did not run"
+    assert goal("ds-topo-selective: fewer")["detail"] == "not measured: ds-topo-selective did not run"
+    assert goal("ds-topo-selective: shorter")["detail"] == "not measured: ds-topo-selective did not run"
+    assert goal("topo-selective: fewer")["detail"] == "not measured: topo-selective has no byte counters in this run"
+    res["systems"].pop()
+    # three levels: the leaf cut is checked too (a tier off by more than 10% fails the goal)
+    hier = next(e for e in res["systems"] if e["key"] == "topo-hier")
+    hier["measured"].update(cross_node_bytes_per_step=2.05e6, cross_leaf_bytes_per_step=1.5e6)
+    hier["theory"]["cross_leaf_bytes_per_step"] = 1.0e6
+    summarize(res)
+    assert goal("topo-hier: measured")["met"] is False
+    assert goal("topo-hier: measured")["detail"] == ("measured cross-node 2.05 MB/step vs theory 2.00 MB/step (+2.5%); "
+                                                    "cross-leaf 1.50 MB/step vs theory 1.00 MB/step (+50.0%)")
+    hier["measured"]["cross_leaf_bytes_per_step"] = 1.02e6
+    summarize(res)
+    assert goal("topo-hier: measured")["met"] is True
     md = markdown(res)
     assert "| Megatron-core DDP (stock) | not run (no adapter) |" in md
+    assert "Workload: GPT 1 layers x 8 hidden" in md and "Target loss 3.0600" in md
+    alone = _results([_fake("topo-hier", [9.0, 0.9, 0.9, 0.9], losses, measured=2.0e6, theory=2.0e6)])
+    summarize(alone)  # no reference system: no target, but the workload is still described
+    md = markdown(alone)
+    assert "Workload: GPT 1 layers x 8 hidden" in md and "No target loss (no reference system in this run)." in md
     res["layout"] = {"groups": None}  # the flat 4x1 preset: the fallback's overhead against stock
     summarize(res)
-    assert goal("ds-topo-selective: fallback")["met"] is None
+    assert not [g for g in res["goals"] if g["goal"].startswith("ds-topo-selective: fallback")]  # not asked for
     fb = goal("topo-selective: fallback")
     assert fb["met"] is None and fb["detail"] == "not measured: ddp did not run"
     res["systems"].append(_fake("ddp", [9.0, 0.39, 0.39, 0.39], losses))
@@ -240,6 +273,7 @@ def test_write_section_replaces_only_its_preset(tmp_path):
     (["--repeats", "0"], "topo-align bench: --repeats 0: must be at least 1"),
     (["--topo-set", "local.bogus=1"], "topo-align bench: --topo-set: topo_align: unknown field 'local.bogus'"),
     (["--topo-set", "bf16"], "topo-align bench: --topo-set 'bf16': expected KEY=VALUE"),
+    (["--section", "Lean Run"], "topo-align bench: --section 'Lean Run': use lower-case letters, digits and '-'"),
     (["--systems", "ddp", "--comm-share"],
      "topo-align bench: --comm-share: needs ds-zero0 among --systems (it is the system measured)"),
 ])
@@ -310,3 +344,64 @@ def test_quick_bench_writes_report(quick_run):
     assert "Command: `topo-align bench --quick --systems ddp,topo-hier" in text
     for png in ("bench-2x2-quick-loss-vs-time.png", "bench-2x2-quick-bytes-per-tier.png"):
         assert (quick_run["out"] / "img" / png).stat().st_size > 1000
+
+
+@pytest.mark.emulated
+@pytest.mark.timeout(240)
+def test_three_level_bytes_per_tier_match_theory(tmp_path):
+    """2 leaves x 2 nodes x 2 ranks, ``topology.middle_level``: the bytes counted on the emulated node
+    uplinks and on the spine match the three-level schedule's theory within 10% on both cuts (the
+    leaf-rail reduce-scatter crosses nodes: on gloo it must not move an all-reduce's bytes)."""
+    if _REASON:
+        pytest.skip(f"emulated cluster unavailable: {_REASON}")
+    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--preset", "2leaf8", "--quick", "--steps", "4",
+                             "--systems", "topo-hier", "--out-dir", str(tmp_path)],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=220)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")] == []
+    (e,) = json.loads((tmp_path / "results.json").read_text())["systems"]
+    for cut in ("node", "leaf"):
+        m, th = e["measured"][f"cross_{cut}_bytes_per_step"], e["theory"][f"cross_{cut}_bytes_per_step"]
+        assert th > 0 and abs(m / th - 1) <= 0.10, (cut, m, th)
+
+
+@pytest.mark.emulated
+@pytest.mark.timeout(120)
+def test_sigterm_removes_the_cluster_and_the_ranks(tmp_path):
+    """A bench stopped by SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C: one line, exit
+    128 + 15, no namespace and no rank left."""
+    import signal
+    import time
+
+    if _REASON:
+        pytest.skip(f"emulated cluster unavailable: {_REASON}")
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([PY, "-m", "topo_integrations.cli", "bench", "--quick", "--systems", "ddp",
+                                 "--out-dir", str(tmp_path / "out")], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    spec = tmp_path / "out" / "ddp" / "spec.json"
+    deadline = time.monotonic() + 90
+    while not _workers(spec):  # the ranks are running inside the namespaces
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    text = log.read_text()
+    assert "topo-align bench: stopped by signal 15; emulated cluster removed" in text and "Traceback" not in text
+    assert [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")] == []
+    assert _workers(spec) == []
+
+
+def _workers(spec: Path) -> list[int]:
+    """Pids of bench workers started with ``spec``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if str(spec).encode() in fh.read():
+                    out.append(int(pid))
+        except (OSError, ValueError):
+            continue
+    return out

@@ -257,7 +257,8 @@ class _CollectiveSpy:
     whether it ran inside ``reducer.collectives.run`` (the layer that names failures and books the
     bytes; tensors are device-checked before it) and in which thread."""
 
-    OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather")
+    OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather",
+           "all_to_all_single")
 
     def __init__(self, groups, island_dp):
         import threading

@@ -169,7 +169,8 @@ class _Spy:
     ``collectives.run`` (a thread-local flag set by a wrapper), and those on the LOCAL communicators
     (``intra_low`` / ``inter_low``) from the engine's LOCAL worker thread when it exists."""
 
-    OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather")
+    OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather",
+           "all_to_all_single")
 
     def __init__(self, ddp):
         import threading

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="runs/bench", help="results.json, per-system logs (default runs/bench)")
     p.add_argument("--markdown", default=None, metavar="FILE",
                    help="write this preset's section (table, goals, plots) into FILE, e.g. docs/benchmarks.md")
+    p.add_argument("--section", default=None, metavar="NAME",
+                   help="name of the --markdown section and of the plots (default PRESET[-MODEL][-quick]); "
+                        "give one per variant so that a --topo-set run does not replace the plain one")
     p.add_argument("--from-results", default=None, metavar="RESULTS.json",
                    help="run nothing: re-render the table, goals and plots of a saved results.json")
     p.add_argument("--img-dir", default=None, metavar="DIR",
@@ -148,12 +152,16 @@ def _load_results(path: str, spec) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..emulate.signals import Stopped, stop_signals_raise
     from .driver import BenchError, run_bench
     from .report import markdown, plot
 
     try:
         spec = _spec(args)
         spec.check()
+        if args.section is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,40}", args.section):
+            raise BenchError(f"--section {args.section!r}: use lower-case letters, digits and '-' (at most 41), "
+                             "e.g. 2x2-deep-lean")
     except BenchError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -162,17 +170,20 @@ def run(args: argparse.Namespace) -> int:
         if args.from_results:
             results = _load_results(args.from_results, spec)
         else:
-            results = run_bench(spec, log=lambda m: print(m, file=sys.stderr, flush=True), command=command)
+            # SIGTERM/SIGHUP as well as Ctrl-C unwind through the cluster's cleanup (ranks, namespaces).
+            with stop_signals_raise():
+                results = run_bench(spec, log=lambda m: print(m, file=sys.stderr, flush=True), command=command)
     except BenchError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; emulated cluster removed", file=sys.stderr)
-        return 130
+    except Stopped as stop:
+        print(f"{PROG}: stopped by signal {stop.signum}; emulated cluster removed", file=sys.stderr)
+        return 128 + stop.signum
     img_dir = args.img_dir or (os.path.join(os.path.dirname(os.path.abspath(args.markdown)), "img") if args.markdown
                                else args.out_dir)
     # The section (and image) name: preset, model when not the default, quick.
-    name = spec.preset + (f"-{args.model}" if args.model != "default" else "") + ("-quick" if args.quick else "")
+    name = args.section or (spec.preset + (f"-{args.model}" if args.model != "default" else "")
+                            + ("-quick" if args.quick else ""))
     stem = f"bench-{name}"
     images = plot(results, img_dir, stem)
     if args.markdown:

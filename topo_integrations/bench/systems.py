@@ -117,16 +117,17 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
         return hierarchical(Layout(layout.hosts, layout.leaves, _node_groups(layout)), S)  # 2 levels
     if key in ("topo-hier", "ds-topo-hier"):
         return hierarchical(layout, S)
-    if key in ("topo-selective", "ds-topo-selective"):
+    if key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1"):
+        # ZeRO-1 shards the moments inside the group; each shard is averaged over the rail, which
+        # crosses the node cut with the same bytes as the hierarchical rail step.
         f = info.get("sync_fraction")
         if f is None or layout.groups is None:
             return hierarchical(layout, S) if layout.groups is None else None
         H = int(info.get("reconcile_interval", 4))
         n_rec = int(info.get("reconciles", steps // H))
-        # LOCAL params + Adam exp_avg + exp_avg_sq are averaged at each reconciliation (3 tensors).
-        per_rec = _add(hierarchical(layout, 3 * (1 - f) * S))
+        rec = hierarchical(layout, reconcile_payload(params * (1 - f), n_rec, info))
         sync = hierarchical(layout, f * S)
-        return {k: sync[k] + per_rec[k] * n_rec / steps for k in sync}
+        return {k: sync[k] + rec[k] / steps for k in sync}
     if key == "post-local-sgd":
         w = min(steps, int(info.get("localsgd_warmup", 0)))
         H = int(info.get("averaging_period", 4))
@@ -138,6 +139,26 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
         tot = {k: w * glob[k] + (steps - w) * sub[k] + n_avg * glob[k] for k in glob}
         return {k: v / steps for k, v in tot.items()}
     return None
+
+
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def reconcile_payload(local_elements: float, n_rec: int, info: dict) -> float:
+    """Bytes handed to the cross-group average by ``n_rec`` reconciliations of ``local_elements``
+    LOCAL parameters trained with Adam (reducer/reconcile.py):
+
+    - values: fp32 means, or, with a 16-bit ``reconcile_dtype`` (or an outer optimizer), the deltas
+      on that wire after a first exact fp32 average that sets the anchor;
+    - moments (exp_avg, exp_avg_sq, fp32) at every ``moments_interval``-th reconciliation.
+    """
+    if n_rec <= 0:
+        return 0.0
+    wire = WIRE_BYTES[info.get("reconcile_dtype", "fp32")]
+    delta = wire != 4 or bool(info.get("outer_optimizer", False))
+    values = 4 + (n_rec - 1) * wire if delta else 4 * n_rec
+    moments = 2 * 4 * (n_rec // max(1, int(info.get("moments_interval", 1))))
+    return local_elements * (values + moments)
 
 
 def _node_groups(layout: Layout) -> tuple[tuple[int, ...], ...] | None:

@@ -132,6 +132,15 @@ class _PostLocalSGD(_Plain):
                 "subgroup_size": len((self.spec["groups"] or [[0]])[0])}
 
 
+def _reconcile_info(cfg) -> dict:
+    """What the byte theory of a reconciliation needs (bench/systems.py), from the effective config
+    (``--topo-set`` included)."""
+    loc = cfg.local
+    return {"reconcile_interval": loc.reconcile_interval, "reconcile_dtype": loc.reconcile_dtype,
+            "moments_interval": loc.moments_interval,
+            "outer_optimizer": loc.outer_momentum > 0 or loc.outer_lr != 1.0}
+
+
 def _block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
     block = {
         "enabled": True, "mode": mode,
@@ -197,8 +206,9 @@ class _Reducer(_Plain):
             "mode": st["mode"],
             "fallback_reason": st.get("fallback_reason"),
             "sync_fraction": st["sync_elements"] / max(1, total),
-            "reconcile_interval": self.spec["reconcile_interval"],
-            "reconciles": st["optimizer_steps"] // self.spec["reconcile_interval"] if st["mode"] == "selective" else 0,
+            **_reconcile_info(self.cfg),
+            "reconciles": (st["optimizer_steps"] // self.cfg.local.reconcile_interval
+                           if st["mode"] == "selective" else 0),
             "reducer_bytes_total": st["total"]["bytes"],
             "reducer_steps": st["steps"],
         }
@@ -250,7 +260,10 @@ class _DeepSpeed(_Plain):
             return {}
         st = self.engine.topo_align_stats()
         keep = {k: st[k] for k in ("mode", "stage", "steps", "reconciles", "sync_fraction", "plan_reason") if k in st}
-        keep["reconcile_interval"] = self.spec["reconcile_interval"]
+        from ..config import TopoAlignConfig
+
+        block = _block(self.spec, self.topo_mode, async_reconcile=self.spec["async_reconcile"])
+        keep.update(_reconcile_info(TopoAlignConfig.model_validate(block)))
         keep["adapter_stats"] = {k: v for k, v in st.items() if k not in keep and _jsonable(v)}
         return keep
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
 import sys
 import time
 from typing import Any
@@ -24,6 +23,7 @@ from ..topology.model import TopologyError
 from .cluster import EmulatedCluster
 from .netns import EmulationError, EmulationUnavailable, cleanup_leftovers, unavailable_reason
 from .runner import MODES, launch
+from .signals import Stopped, stop_signals_raise
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -49,14 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="remove namespaces left by emulator runs that are no longer running, and exit")
     parser.add_argument("emulate_command", metavar="COMMAND", nargs=argparse.REMAINDER,
                         help="-- COMMAND... to run on every rank/node")
-
-
-class _Stop(BaseException):
-    """A SIGINT/SIGTERM/SIGHUP turned into an exception so every `finally` runs."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _error(msg: str) -> None:
@@ -117,17 +109,16 @@ def run(args: argparse.Namespace) -> int:
         _error(str(exc))
         return 2
 
-    stopping: dict[str, int] = {}
-
-    def on_signal(signum, _frame):
-        if stopping:  # already cleaning up: a second Ctrl-C must not abort the cleanup
-            return
-        stopping["signum"] = signum
-        raise _Stop(signum)
-
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, on_signal) for s in handled}
     t0 = time.monotonic()
+    try:
+        with stop_signals_raise():
+            return _run_cluster(args, topo, command)
+    except Stopped as stop:
+        _error(f"stopped by signal {stop.signum} after {time.monotonic() - t0:.1f} s; emulated cluster removed")
+        return 128 + stop.signum
+
+
+def _run_cluster(args: argparse.Namespace, topo, command: list[str]) -> int:
     try:
         try:
             cluster = EmulatedCluster(topo, mtu=args.mtu, shape=not args.no_shape, uplink_mbit=args.uplink_mbit)
@@ -147,9 +138,6 @@ def run(args: argparse.Namespace) -> int:
                   f"(exit {res.exit_code}) in {res.elapsed_s:.1f} s; cross-node {tot['cross_node_bytes']} B, "
                   f"cross-leaf {tot['cross_leaf_bytes']} B, intra-node {tot['intra_node_bytes']} B", file=sys.stderr)
             return res.exit_code
-    except _Stop as stop:
-        _error(f"stopped by signal {stop.signum} after {time.monotonic() - t0:.1f} s; emulated cluster removed")
-        return 128 + stop.signum
     except EmulationUnavailable as exc:
         _error(str(exc))
         return 2
@@ -159,10 +147,6 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         _error(f"cannot write --bytes-json: {exc}")
         return 1
-    finally:
-        stopping.setdefault("signum", 0)  # from here on, further signals are ignored until restored
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def _report(args, name: str, cluster: EmulatedCluster, command: list[str], res, delta) -> dict[str, Any]:
