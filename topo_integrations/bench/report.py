@@ -215,8 +215,8 @@ def _bytes_goal(key: str, e: dict | None, pl: dict | None) -> dict:
     a = (e or {}).get("measured", {}).get("cross_node_bytes_per_step")
     b = (pl or {}).get("measured", {}).get("cross_node_bytes_per_step")
     if a is None or b is None:
-        who = key if e is None or a is None else "post-local-sgd"
-        why = "did not run" if (e if who == key else pl) is None else "has no byte counters in this run"
+        who, entry = (key, e) if a is None else ("post-local-sgd", pl)
+        why = "did not run" if entry is None else "has no byte counters in this run"
         return g | {"met": None, "detail": f"not measured: {who} {why}"}
     return g | {"met": bool(a < b), "detail": f"{fmt_bytes(a)} vs {fmt_bytes(b)} per step ({(a / b - 1) * 100:+.0f}%)"}
 

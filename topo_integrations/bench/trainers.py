@@ -229,9 +229,11 @@ class _DeepSpeed(_Plain):
             self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=self.opt, config=cfg)
         else:
             from .. import deepspeed as tds
+            from ..config import TopoAlignConfig
 
             cfg["topo_align"] = _block(spec, topo_mode, async_reconcile=spec["async_reconcile"])
             self.engine, self.opt, _, _ = tds.initialize(model=self.model, optimizer=self.opt, config=cfg)
+            self.reconcile_info = _reconcile_info(TopoAlignConfig.model_validate(cfg["topo_align"]))
         self.topo_mode = topo_mode
 
     def set_lr(self, lr: float) -> None:
@@ -260,10 +262,7 @@ class _DeepSpeed(_Plain):
             return {}
         st = self.engine.topo_align_stats()
         keep = {k: st[k] for k in ("mode", "stage", "steps", "reconciles", "sync_fraction", "plan_reason") if k in st}
-        from ..config import TopoAlignConfig
-
-        block = _block(self.spec, self.topo_mode, async_reconcile=self.spec["async_reconcile"])
-        keep.update(_reconcile_info(TopoAlignConfig.model_validate(block)))
+        keep.update(self.reconcile_info)
         keep["adapter_stats"] = {k: v for k, v in st.items() if k not in keep and _jsonable(v)}
         return keep
 
