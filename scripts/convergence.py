@@ -37,9 +37,10 @@ HOSTNAME_ENV = "TOPO_ALIGN_HOSTNAME"
 WORLD = 4
 GROUP = 2
 
-# The default config (config.py) is what `selective` with no override runs.
-DEFAULTS = {"sync.top_fraction": 0.15, "sync.last_n_layers": 5, "local.reconcile_interval": 4,
-            "importance.method": "fisher", "local.async_reconcile": True}
+# The `local` defaults of 0.1.x: the tables of docs/convergence.md measured with 0.1.0 used them
+# (`--base 0.1` puts them under every selective run's overrides to reproduce those tables).
+BASE_0_1 = {"local.reconcile_interval": 4, "local.dtype": "fp16", "local.reconcile_dtype": "fp32",
+            "local.moments_interval": 1, "local.promote_drift_fraction": 0.0}
 
 TASKS = {
     # steps: enough for the curves to flatten on 2 CPU cores (see docs/convergence.md).
@@ -54,6 +55,12 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
     runs = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("selective-default", "selective", {})]
     if kind in ("deep", "deep-key", "deep-bf16", "deep-final", "deep-gap", "deep-drift"):
         return deep_grid(kind)
+    if kind == "candidate":  # the deep model's quality-safe config, on the shallow tasks before it becomes default
+        return [("candidate default", "selective", dict(CANDIDATE))]
+    if kind == "candidate-probe":  # one factor at a time back to the 0.1 default, where the candidate costs
+        return [(f"candidate, {k}={v}", "selective", {**CANDIDATE, k: v}) for k, v in (
+            ("local.promote_drift_fraction", 0.0), ("local.dtype", "fp16"), ("local.reconcile_dtype", "fp32"),
+            ("local.moments_interval", 1), ("local.reconcile_interval", 4))]
     if kind == "probe":
         return [runs[0], runs[2]]
     if kind in ("key", "ci"):
@@ -83,6 +90,9 @@ LOCAL_SGD = {"sync.top_fraction": 0.0, "sync.last_n_layers": 0, "sync.always_syn
 
 
 DELTA = {"local.reconcile_dtype": "bf16"}
+# The deep GPT's quality-safe config (docs/convergence.md, "The deep model").
+CANDIDATE = {**DELTA, "local.reconcile_interval": 2, "local.moments_interval": 4, "local.dtype": "bf16",
+             "local.promote_drift_fraction": 0.15}
 
 
 def deep_grid(kind: str = "deep") -> list[tuple[str, str, dict]]:
@@ -485,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
-                             "deep-drift", "probe"])
+                             "deep-drift", "candidate", "candidate-probe", "probe"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")
@@ -493,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/convergence", help="folder for results.json")
     ap.add_argument("--report", metavar="DIR", nargs="+", help="only write the report of DIR/results.json (merged)")
     ap.add_argument("--img-dir", default="docs/img")
+    ap.add_argument("--base", choices=["current", "0.1"], default="current",
+                    help="defaults under the overrides of every selective run: this release's, or 0.1.x's "
+                         "(reproduces the tables measured with 0.1.0)")
     args = ap.parse_args(argv)
     if args.report:
         res = [r for d in args.report for r in json.loads((Path(d) / "results.json").read_text())]
@@ -505,7 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     jobs += [(t, s, "key") for s in args.key_seeds for t in args.tasks]
     for task, seed, kind in jobs:
         t0 = time.perf_counter()
-        rs = run_grid(task, seed, grid(kind), steps=args.steps)
+        runs = grid(kind)
+        if args.base == "0.1":
+            runs = [(n, m, {**BASE_0_1, **o} if m == "selective" else o) for n, m, o in runs]
+        rs = run_grid(task, seed, runs, steps=args.steps)
         results += rs
         (out / "results.json").write_text(json.dumps(results, indent=1))
         print(f"{task} seed {seed} grid {kind}: {len(rs)} runs in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -98,6 +98,7 @@ def test_selective_and_post_local_sgd_average_over_the_run():
 
 @pytest.mark.timeout(30)
 def test_topo_set_and_middle_level_reach_the_block():
+    from topo_integrations.bench.systems import LOCALSGD_PERIOD
     from topo_integrations.bench.trainers import _block
     from topo_integrations.config import TopoAlignConfig
 
@@ -108,6 +109,12 @@ def test_topo_set_and_middle_level_reach_the_block():
     assert block["topology"]["middle_level"] is True
     cfg = TopoAlignConfig.model_validate(block)
     assert cfg.local.reconcile_interval == 2 and cfg.topology.middle_level is True
+    # Without --reconcile-interval topo-align runs its own default; post-local SGD averages every 4.
+    spec.update(reconcile_interval=None, topo_set={})
+    block = _block(spec, "selective", async_reconcile=True)
+    assert block["local"] == {"async_reconcile": True}
+    assert TopoAlignConfig.model_validate(block).local.reconcile_interval == TopoAlignConfig().local.reconcile_interval
+    assert LOCALSGD_PERIOD == 4
 
 
 @pytest.mark.timeout(10)

@@ -26,10 +26,18 @@ DESIGN_BLOCK = {
 }
 
 
-def test_design_block_is_accepted_and_equals_defaults():
+# The `local` defaults issue 15 changed from the design's example block (CHANGELOG, docs/convergence.md).
+CHANGED_DEFAULTS = {"local.dtype": ("fp16", "bf16"), "local.reconcile_interval": (4, 2)}
+
+
+def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
     cfg = TopoAlignConfig.from_block(DESIGN_BLOCK)
-    assert cfg == TopoAlignConfig()
-    assert cfg.local.reconcile_interval == 4 and cfg.sync.top_fraction == 0.15
+    assert (cfg.local.dtype, cfg.local.reconcile_interval) == ("fp16", 4)
+    changed = {k: new for k, (_, new) in CHANGED_DEFAULTS.items()}
+    assert cfg.with_overrides(changed) == TopoAlignConfig()
+    d = TopoAlignConfig()
+    assert (d.local.reconcile_dtype, d.local.moments_interval, d.local.promote_drift_fraction) == ("bf16", 4, 0.15)
+    assert d.sync.top_fraction == 0.15 and d.sync.last_n_layers == 5
 
 
 @pytest.mark.parametrize(

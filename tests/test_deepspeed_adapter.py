@@ -68,7 +68,8 @@ def test_block_must_be_an_object():
 def test_read_block():
     assert tds.read_block(H.ds_config(0)) is None
     cfg = tds.read_block(str(ROOT / "configs" / "deepspeed" / "zero2-selective.json"))
-    assert cfg.mode == "selective" and cfg.local.reconcile_interval == 4
+    # The shipped example spells the schema's `local` defaults out (LOCAL wire: DeepSpeed's bf16 here).
+    assert cfg.mode == "selective" and cfg.local == type(cfg.local)()
 
 
 # -- unsupported combinations are refused, saying what to use instead ----------------------------

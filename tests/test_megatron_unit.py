@@ -166,8 +166,8 @@ REFUSED = [
      "topo_align: communication.overlap = False is not supported by the Megatron adapter (TopoAlignDDP): "
      "Megatron decides whether buckets are reduced during backward; use --overlap-grad-reduce "
      "(DistributedDataParallelConfig.overlap_grad_reduce) and remove the key"),
-    ({"mode": "selective", "local": {"dtype": "bf16"}}, dict(use_distributed_optimizer=True),
-     "topo_align: local.dtype = 'bf16' (--topo-align-local-dtype) is not supported by the Megatron adapter "
+    ({"mode": "selective", "local": {"dtype": "fp16"}}, dict(use_distributed_optimizer=True),
+     "topo_align: local.dtype = 'fp16' (--topo-align-local-dtype) is not supported by the Megatron adapter "
      "(TopoAlignDDP): with the distributed optimizer LOCAL gradients travel in the island reduce-scatter of the "
      "whole bucket, in the gradient buffer's dtype; remove the key (or choose the buffer dtype with "
      "--accumulate-allreduce-grads-in-fp32), or use plain DDP (no --use-distributed-optimizer) where local.dtype "
@@ -182,8 +182,10 @@ ACCEPTED = [
     ({}, dict(use_distributed_optimizer=True, pipeline_parallel_size=4)),  # defaults never trip a refusal
     (TopoAlignConfig().model_dump(mode="json"), dict(use_distributed_optimizer=True)),  # nor spelled-out defaults
     ({"communication": {"overlap": True}}, dict(overlap_grad_reduce=True)),  # agrees with Megatron's setting
-    ({"mode": "selective", "local": {"dtype": "bf16"}}, dict()),  # plain DDP applies local.dtype
-    ({"mode": "hierarchical", "local": {"dtype": "bf16"}}, dict(use_distributed_optimizer=True)),  # unused there
+    ({"mode": "selective", "local": {"dtype": "fp16"}}, dict()),  # plain DDP applies local.dtype
+    ({"mode": "hierarchical", "local": {"dtype": "fp16"}}, dict(use_distributed_optimizer=True)),  # unused there
+    # the default spelled out is no conflict: with DistOpt the buffer dtype applies (logged at start)
+    ({"mode": "selective", "local": {"dtype": "bf16"}}, dict(use_distributed_optimizer=True)),
     ({"mode": "selective", "importance": {"method": "hutchinson"}}, dict()),
     ({"adaptive": {"enabled": True}, "local": {"promote_drift_fraction": 0.1, "async_reconcile": True},
       "topology": {"middle_level": True}, "monitor": {"log_interval": 5},

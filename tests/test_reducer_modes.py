@@ -65,13 +65,18 @@ def loss_of(model, step, rank, use_spare=False):
     return nn.functional.cross_entropy(model(x, use_spare).reshape(-1, 16), y.reshape(-1))
 
 
-def make(seed=0):
+def make(seed=0, n_layers=3):
     torch.manual_seed(seed)
-    return Tiny()
+    return Tiny(n_layers=n_layers)
+
+
+# The mechanism tests below count bytes and class changes for value reconciliation with the moments
+# every time and no promotion (the 0.1.0 `local` defaults); s_defaults runs the schema's defaults.
+MECHANISM_LOCAL = {"reconcile_dtype": "fp32", "moments_interval": 1, "promote_drift_fraction": 0.0}
 
 
 def cfg_of(**kw) -> TopoAlignConfig:
-    block = {"mode": "selective", "topology": {"source": "hostnames"},
+    block = {"mode": "selective", "topology": {"source": "hostnames"}, "local": dict(MECHANISM_LOCAL),
              "communication": {"bucket_size_mb": 64.0}, "fallback": {"timeout_s": 60.0}}
     for dotted, v in kw.items():
         node = block
@@ -298,20 +303,21 @@ def s_delta_reconcile(rank, world, groups):
 def s_state_round_trip(rank, world, groups):
     """Stop after step k (async reconcile in flight), restore into fresh objects, continue: bitwise
     equal to the uninterrupted run; also with delta reconciliation (anchor, outer momentum, residuals)."""
-    return {"values": _round_trip(rank, groups, {}),
-            "delta": _round_trip(rank, groups, {"local__reconcile_dtype": "bf16", "local__moments_interval": 2,
-                                                "local__outer_momentum": 0.5})}
+    return {"values": _round_trip(rank, groups, _rt_cfg()),
+            "delta": _round_trip(rank, groups, _rt_cfg(local__reconcile_dtype="bf16", local__moments_interval=2,
+                                                       local__outer_momentum=0.5))}
 
 
-def _round_trip(rank, groups, extra):
+def _rt_cfg(**extra) -> TopoAlignConfig:
+    return cfg_of(sync__last_n_layers=1, sync__top_fraction=0.15, local__reconcile_interval=3,
+                  local__async_reconcile=True, importance__refresh_interval=6, importance__ema_decay=0.5, **extra)
+
+
+def _round_trip(rank, groups, cfg, total=14, k=9, n_layers=3):
     from topo_integrations.reducer import GroupedReducer
 
-    cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.15, local__reconcile_interval=3,
-                 local__async_reconcile=True, importance__refresh_interval=6, importance__ema_decay=0.5, **extra)
-    total, k = 14, 9
-
     def fresh():
-        model = make(8)
+        model = make(8, n_layers)
         red = GroupedReducer(model, cfg, groups=groups)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         return model, red, opt
@@ -337,6 +343,37 @@ def _round_trip(rank, groups, extra):
     resumed = flat_params(m2)
     r2.close()
     return {"bitwise": torch.equal(straight, resumed), "had_pending": had_pending}
+
+
+def s_defaults(rank, world, groups):
+    """The schema's `selective` defaults as shipped (bf16 LOCAL wire, reconcile every 2 steps, bf16
+    deltas, moments every 4th reconciliation, drift promotion up to 0.15 of the elements): invariant
+    1 on every step, classes change only at reconciliation steps and only LOCAL -> SYNC within the
+    budget, everything identical after reconcile(), and a bitwise resume across a promotion."""
+    from topo_integrations.reducer import GroupedReducer
+
+    cfg = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"},
+                                          "fallback": {"timeout_s": 60.0}})
+    model = make(14, n_layers=8)  # 3 LOCAL blocks under the default last_n_layers 5
+    red = GroupedReducer(model, cfg, groups=groups)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen = [red.classify()]
+    train(model, red, opt, rank, 0, 16, verify=True,
+          on_step=lambda s, ph: seen.append(red.classify()) if ph == "after" else None)
+    changed_at = [i for i in range(1, len(seen)) if seen[i] != seen[i - 1]]
+    moved = {n: (seen[0][n], seen[-1][n]) for n in seen[0] if seen[0][n] != seen[-1][n]}
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    promoted_share = sum(numel[n] for n in moved) / sum(numel.values())
+    inter = red.stats()["total"]["bytes"]["inter"]
+    red.reconcile(opt)
+    moments = torch.cat([opt.state[p][k].reshape(-1) for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")])
+    out = {"changed_at": changed_at, "moved": moved, "promoted_share": promoted_share,
+           "reconcile_bytes": inter["reconcile"], "same": same_on(list(range(world)), flat_params(model)),
+           "moments_same": same_on(list(range(world)), moments), "interval": cfg.local.reconcile_interval,
+           "budget": cfg.local.promote_drift_fraction}
+    red.close()
+    out["round_trip"] = _round_trip(rank, groups, cfg, total=12, k=5, n_layers=8)
+    return out
 
 
 def s_importance(rank, world, groups):
@@ -467,7 +504,7 @@ def _rank_main(rank, world):
     for name, fn in (("grads", s_grads_match_reference), ("selective", s_selective_invariants),
                      ("tf1", s_top_fraction_one_equals_hierarchical), ("fp16bytes", s_fp16_wire_bytes),
                      ("async", s_async), ("delta", s_delta_reconcile), ("state", s_state_round_trip),
-                     ("importance", s_importance),
+                     ("importance", s_importance), ("defaults", s_defaults),
                      ("agree", s_agreement)):
         t0 = time.perf_counter()
         res[name] = fn(rank, world, groups)
@@ -563,6 +600,19 @@ def test_delta_reconciliation_bf16_moments_interval_outer_momentum(world):
             assert r["same"] and r["moments_same"] and r["finite"]
             assert r["staleness"] == 1 and r["reconciles"] == 7
         assert b["bytes"] == pytest.approx(f["bytes"] * 9.5 / 18, rel=0.02), (b["bytes"], f["bytes"])
+
+
+@pytest.mark.timeout(300)
+def test_schema_defaults_keep_the_invariants_and_resume_bitwise(world):
+    for res in world:
+        r = res["defaults"]
+        assert r["interval"] == 2 and r["budget"] == 0.15
+        assert r["moved"] and all(v == ("LOCAL", "SYNC") for v in r["moved"].values()), r["moved"]
+        assert 0 < r["promoted_share"] <= r["budget"]
+        assert all(s % r["interval"] == 0 for s in r["changed_at"]), r["changed_at"]
+        assert r["reconcile_bytes"] > 0 and r["same"] and r["moments_same"]
+        assert r["round_trip"]["bitwise"]
+    assert all(res["defaults"]["moved"] == world[0]["defaults"]["moved"] for res in world)
 
 
 @pytest.mark.timeout(300)

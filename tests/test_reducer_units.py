@@ -142,6 +142,18 @@ def test_buckets_reverse_order_size_and_padding():
     assert bk[LOCAL][0].buffer.dtype == torch.float64 and bk[SYNC][0].buffer.dtype == torch.float32
 
 
+def test_first_bucket_of_each_class_is_capped_as_in_ddp():
+    ps = [(n, torch.zeros(4)) for n in "abcd"] + [(n, torch.zeros(4)) for n in "xyz"]
+    classes = {**{n: SYNC for n in "abcd"}, **{n: LOCAL for n in "xyz"}}
+    one = build_buckets(ps, classes, bucket_numel=100, pad_to=1, class_order=(SYNC, LOCAL))
+    assert [b.names for b in one[SYNC]] == [["d", "c", "b", "a"]] and [b.names for b in one[LOCAL]] == [["z", "y", "x"]]
+    bk = build_buckets(ps, classes, bucket_numel=100, pad_to=1, class_order=(SYNC, LOCAL), first_bucket_numel=6)
+    # The gradients backward produces first (the last parameters) get a small bucket of their own.
+    assert [b.names for b in bk[SYNC]] == [["d"], ["c", "b", "a"]]
+    assert [b.names for b in bk[LOCAL]] == [["z"], ["y", "x"]]
+    assert [b.index for b in bk[SYNC]] == [0, 1]
+
+
 def test_sync_groups_get_high_priority_nccl_streams(monkeypatch):
     """SYNC communicators are created with is_high_priority_stream on NCCL; LOCAL ones and gloo not.
     (The CPU build of torch has no ProcessGroupNCCL: a stand-in Options class isolates the choice.)"""

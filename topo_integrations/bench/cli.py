@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
     p.add_argument("--warmup-steps", type=int, default=None, help="LR warm-up steps (default 6)")
     p.add_argument("--reconcile-interval", type=int, default=None,
-                   help="selective reconcile interval = post-local SGD averaging period (default 4)")
+                   help="post-local SGD averaging period and topo-align's local.reconcile_interval (default: "
+                        "4 for post-local SGD, topo-align's own default, 2)")
     p.add_argument("--localsgd-warmup", type=int, default=None,
                    help="global DDP steps before post-local SGD goes local (default: the LR warm-up)")
     p.add_argument("--target-loss", type=float, default=None,

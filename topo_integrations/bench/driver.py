@@ -87,7 +87,9 @@ class BenchSpec:
     weight_decay: float = 0.1
     clip: float = 1.0
     seed: int = 1234
-    reconcile_interval: int = 4
+    reconcile_interval: int | None = None
+    """Post-local SGD's averaging period and topo-align's ``local.reconcile_interval``; None: post-local
+    SGD averages every ``LOCALSGD_PERIOD`` steps and topo-align runs its own default."""
     sync_last_n_layers: int = 1
     async_reconcile: bool = True
     localsgd_warmup: int | None = None
@@ -121,7 +123,7 @@ class BenchSpec:
             raise BenchError("--systems: give at least one system")
         for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "reconcile_interval",
                      "eval_batches", "repeats"):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: must be at least 1")
         if self.hidden % self.heads:
             raise BenchError(f"--hidden {self.hidden}: must be a multiple of --heads {self.heads}")

@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .systems import LOCALSGD_PERIOD
+
 __all__ = ["summarize", "markdown", "plot", "fmt_bytes", "REFERENCES"]
 
 REFERENCES = ("ds-zero0", "ddp", "megatron-ddp")
@@ -262,8 +264,15 @@ def _row(e: dict) -> str:
 
 
 def _eff(spec: dict, key: str, field: str):
-    """The value topo-align's systems ran with: ``--topo-set KEY`` wins over the bench's own field."""
-    return spec.get("topo_set", {}).get(key, spec[field])
+    """The value topo-align's systems ran with: ``--topo-set KEY`` wins over the bench's own field,
+    which wins over the schema default (``None``: the bench did not set the key)."""
+    v = spec.get("topo_set", {}).get(key, spec.get(field))
+    if v is None:
+        from ..config import TopoAlignConfig
+
+        section, name = key.split(".")
+        v = getattr(getattr(TopoAlignConfig(), section), name)
+    return v
 
 
 def _leaf(m: dict, th: dict) -> str:
@@ -322,7 +331,7 @@ def markdown(results: dict, images: dict[str, str] | None = None) -> str:
         f"{spec['min_lr_ratio']:g}x), clip {spec['clip']:g}, "
         f"seed {spec['seed']}; selective: last {_eff(spec, 'sync.last_n_layers', 'sync_last_n_layers')} layer(s) "
         f"+ head SYNC, reconcile every {_eff(spec, 'local.reconcile_interval', 'reconcile_interval')} steps; "
-        f"post-local SGD: averaging period {spec['reconcile_interval']}, warm-up "
+        f"post-local SGD: averaging period {spec.get('reconcile_interval') or LOCALSGD_PERIOD}, warm-up "
         f"{spec['localsgd_warmup'] if spec['localsgd_warmup'] is not None else spec['warmup_steps']} global steps. "
         + (f"topo_align keys set (--topo-set): {', '.join(f'`{k}={v}`' for k, v in spec['topo_set'].items())}. "
            if spec.get("topo_set") else "")

@@ -19,7 +19,11 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["System", "SYSTEMS", "DEFAULT_SYSTEMS", "Layout", "ring_bytes", "theory_bytes", "availability"]
+LOCALSGD_PERIOD = 4
+"""Post-local SGD's averaging period when --reconcile-interval is not given (the bench's peer setting)."""
+
+__all__ = ["System", "SYSTEMS", "DEFAULT_SYSTEMS", "Layout", "ring_bytes", "theory_bytes", "availability",
+           "LOCALSGD_PERIOD"]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import json
 import torch
 import torch.distributed as dist
 
+from .systems import LOCALSGD_PERIOD
+
 __all__ = ["build", "lr_at_step"]
 
 
@@ -112,7 +114,7 @@ class _PostLocalSGD(_Plain):
         groups = spec["groups"] or [[r] for r in range(world)]
         self.subgroup, _ = dist.new_subgroups_by_enumeration(groups)
         self.warmup = spec["localsgd_warmup"]
-        self.H = spec["reconcile_interval"]
+        self.H = spec["reconcile_interval"] or LOCALSGD_PERIOD
         self.net = DistributedDataParallel(self.model)
         self.state = PostLocalSGDState(process_group=None, subgroup=self.subgroup, start_localSGD_iter=self.warmup)
         self.net.register_comm_hook(self.state, post_localSGD_hook)
@@ -147,8 +149,10 @@ def _block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
         "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
                      "middle_level": bool(spec.get("middle_level", False))},
         "sync": {"last_n_layers": spec["sync_last_n_layers"]},
-        "local": {"reconcile_interval": spec["reconcile_interval"], "async_reconcile": async_reconcile},
+        "local": {"async_reconcile": async_reconcile},
     }
+    if spec.get("reconcile_interval"):  # --reconcile-interval; else topo-align's own default
+        block["local"]["reconcile_interval"] = spec["reconcile_interval"]
     for dotted, value in spec.get("topo_set", {}).items():  # --topo-set (checked by BenchSpec.check)
         *parents, leaf = dotted.split(".")
         node = block

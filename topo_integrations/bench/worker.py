@@ -173,4 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's teardown: a framework thread still joinable at static destruction
+    # aborted a finished stock DeepSpeed rank once ("terminate called without an active
+    # exception", exit 134, after its result was written), which the driver rightly counts as a
+    # failed run. The result and the logs are written and flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

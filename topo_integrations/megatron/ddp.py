@@ -156,6 +156,12 @@ class TopoAlignDDP(DistributedDataParallel):
                 # Megatron's reduction (every step, over all their replicas: SYNC in `selective`).
                 log.info("topo_align: expert parameters keep Megatron's reduction: %s", expert_groups.plan.reason)
         if ddp_config.use_distributed_optimizer:
+            if cfg.mode == "selective":
+                # Not a silent fallback: the default local.dtype cannot apply here (an explicit
+                # other value was refused by check_config above).
+                log.info("topo_align: selective with the distributed optimizer: LOCAL gradients travel in the "
+                         "island reduce-scatter in the gradient buffer's dtype (%s); local.dtype applies with "
+                         "plain DDP only", "fp32" if ddp_config.grad_reduce_in_fp32 else "the parameters' dtype")
             self._topo_check_instances(groups, self.intra_dp_cp_group, "dense")
             if self.topo_expert_groups is not None:
                 self._topo_check_instances(self.topo_expert_groups, self.intra_expt_dp_group, "expert")

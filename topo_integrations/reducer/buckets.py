@@ -49,9 +49,12 @@ def _compute_dtype(p: torch.Tensor) -> torch.dtype:
 
 
 def build_buckets(named: list[tuple[str, torch.Tensor]], classes: dict[str, str], *, bucket_numel: int,
-                  pad_to: int, class_order: tuple[str, ...]) -> dict[str, list[Bucket]]:
+                  pad_to: int, class_order: tuple[str, ...],
+                  first_bucket_numel: int | None = None) -> dict[str, list[Bucket]]:
     """class -> buckets; parameters in reverse registration order, each bucket <= bucket_numel elements
-    (a larger parameter gets a bucket of its own)."""
+    (a larger parameter gets a bucket of its own). The first bucket of each class holds at most
+    ``first_bucket_numel`` elements: as in DDP, a small first bucket fills early in backward, so its
+    collective overlaps the rest of backward even when the whole model fits in one bucket."""
     out: dict[str, list[Bucket]] = {c: [] for c in class_order}
     open_: dict[tuple[str, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
 
@@ -71,7 +74,8 @@ def build_buckets(named: list[tuple[str, torch.Tensor]], classes: dict[str, str]
     for name, p in reversed(named):
         key = (classes[name], _compute_dtype(p))
         items = open_.setdefault(key, [])
-        if items and sum(q.numel() for _, q in items) + p.numel() > bucket_numel:
+        cap = bucket_numel if out[key[0]] or first_bucket_numel is None else min(bucket_numel, first_bucket_numel)
+        if items and sum(q.numel() for _, q in items) + p.numel() > cap:
             close(key)
             items = open_.setdefault(key, [])
         items.append((name, p))

@@ -53,6 +53,9 @@ log = logging.getLogger("topo_align")
 
 STATE_FORMAT = "topo-align/reducer/v2"
 
+FIRST_BUCKET_BYTES = 1024 * 1024
+"""Cap of the first bucket of each class, in fp32 bytes (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``: 1 MiB)."""
+
 
 class ConsistencyError(RuntimeError):
     """Replicas that must be identical are not (invariants 1 and 2 of docs/reducer.md); the message names the first."""
@@ -219,7 +222,8 @@ class GroupedReducer:
     def _build_buckets(self) -> None:
         """Buckets per class for the engine's current classes and groups (also its reconfigure listener)."""
         self._buckets = build_buckets(self._named, self.engine.classes, bucket_numel=self._bucket_numel,
-                                      pad_to=self.engine.groups.intra_size, class_order=(SYNC, LOCAL))
+                                      pad_to=self.engine.groups.intra_size, class_order=(SYNC, LOCAL),
+                                      first_bucket_numel=FIRST_BUCKET_BYTES // 4)
         self._where: dict[str, tuple[Bucket, int, int]] = {}
         for bl in self._buckets.values():
             for b in bl:
@@ -393,7 +397,9 @@ class GroupedReducer:
                              f"expected {STATE_FORMAT!r})")
         self.engine.load_state_dict(sd["engine"])
         if sd["layout"] != self._layout():
-            raise ValueError("reducer state has another bucket layout (bucket_size_mb or parameter order changed)")
+            raise ValueError("reducer state has another bucket layout (bucket_size_mb or parameter order changed, or "
+                             "the state predates the 1 MiB first bucket); its error-feedback residuals are per bucket, "
+                             "so resume with the same bucket_size_mb and code that saved it")
 
     def stats(self) -> dict:
         """Bytes, calls and seconds per tier and class (last step and total) plus the current classes."""
