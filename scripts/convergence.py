@@ -119,7 +119,7 @@ def deep_grid(kind: str = "deep") -> list[tuple[str, str, dict]]:
         return [chosen, ("local.dtype=bf16", "selective", {"local.dtype": "bf16"})]
     if kind == "deep-final":
         return [key[0], chosen]
-    drift = ("chosen + drift promotion 0.15", "selective", {**chosen[2], "local.promote_drift_fraction": 0.15})
+    drift = ("chosen + drift promotion 0.15", "selective", dict(CANDIDATE))  # = chosen + promotion 0.15
     if kind == "deep-drift":
         return [drift]
     if kind == "deep-gap":  # around the chosen config: what closes the last percent, what the lean set costs

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=None, help="LR warm-up steps (default 6)")
     p.add_argument("--reconcile-interval", type=int, default=None,
                    help="post-local SGD averaging period and topo-align's local.reconcile_interval (default: "
-                        "4 for post-local SGD, topo-align's own default, 2)")
+                        "4 for post-local SGD, the schema default of local.reconcile_interval for topo-align)")
     p.add_argument("--localsgd-warmup", type=int, default=None,
                    help="global DDP steps before post-local SGD goes local (default: the LR warm-up)")
     p.add_argument("--target-loss", type=float, default=None,
