@@ -166,8 +166,8 @@ def _invariants(ddp, r):
 
 class _Spy:
     """Every torch.distributed collective on a topo_align group handle must be issued inside
-    ``collectives.run`` (a thread-local flag set by a wrapper), and those on the LOCAL communicators
-    (``intra_low`` / ``inter_low``) from the engine's LOCAL worker thread when it exists."""
+    ``collectives.run`` (a thread-local flag set by a wrapper), and all of them from the dispatcher's
+    thread when the engine has one (one issuing thread: the ordering rule, reducer/dispatch.py)."""
 
     OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather",
            "all_to_all_single")
@@ -180,7 +180,7 @@ class _Spy:
         from topo_integrations.reducer import collectives as C
 
         self.C, self.dist, self.tl = C, dist, threading.local()
-        self.worker = any(e._executors for e in ddp.topo_engines)
+        self.worker = any(e.dispatcher.threaded for e in ddp.topo_engines)
         gs = ddp.topo_group_set.all()
         kinds = ("intra", "inter", "intra_low", "inter_low", "leaf_rail", "spine_rail", "leaf_rail_low",
                  "spine_rail_low", "dp_group")
@@ -211,8 +211,7 @@ class _Spy:
                     self.seen += 1
                     if not getattr(self.tl, "on", False):
                         self.outside.append(name)
-                    if self.worker and any(g is h for h in self.low) and \
-                            not threading.current_thread().name.startswith("topo_align_local"):
+                    if self.worker and not threading.current_thread().name.startswith("topo_align_dispatch"):
                         self.wrong_thread.append((name, threading.current_thread().name))
                 return fn(*a, **k)
             return spied
@@ -699,7 +698,7 @@ def test_every_collective_on_topo_groups_goes_through_collectives_run(world, cas
         r = res["engine"][case]
         assert r["worker"] and r["spy_seen"] > 0
         assert r["spy_outside"] == [], r["spy_outside"][:5]
-        assert r["spy_wrong_thread"] == [], r["spy_wrong_thread"]  # LOCAL communicators: LOCAL worker only
+        assert r["spy_wrong_thread"] == [], r["spy_wrong_thread"]  # one issuing thread: the dispatcher's
 
 
 @pytest.mark.timeout(960)

@@ -101,15 +101,13 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
         hierarchical_all_reduce(y, g)
         out[f"hier_{name}_rel"] = _rel(y, exact)
 
-    # 4. flat all-reduce, blocking and async, bitwise equal to the reference.
+    # 4. flat all-reduce, bitwise equal to the reference (futures are the dispatcher's).
     x = torch.randn(517, generator=gen)
     ref = x.clone()
     dist.all_reduce(ref)
     ref /= world
     a = flat_all_reduce(x.clone(), g)
-    h = flat_all_reduce(x.clone(), g, async_op=True)
-    b = h.wait()
-    out["flat_equal"] = torch.equal(a, ref) and torch.equal(b, ref)
+    out["flat_equal"] = torch.equal(a, ref)
 
     # 5. intra all-reduce: mean inside my group only.
     x = torch.randn(1001, generator=gen)

@@ -201,6 +201,11 @@ class AdaptiveConfig(_Section):
 class MonitorConfig(_Section):
     log_interval: int = Field(default=10, ge=1, le=100_000_000)
     """Log reducer statistics (bytes and seconds per tier) every this many steps."""
+    check_collectives: bool = False
+    """Debug: fingerprint every collective of the engine (communicator, op, dtype, size, sequence
+    number) and compare them across the data-parallel group at the end of every step, raising
+    CollectiveOrderError at the first divergence (one all_gather_object per step; also on with
+    ``$TOPO_ALIGN_CHECK_COLLECTIVES=1``)."""
 
 
 class TopoAlignConfig(_Section):

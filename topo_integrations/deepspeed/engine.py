@@ -7,9 +7,9 @@ reduction, the step and the checkpoint calls all happen later, docs/deepspeed.md
 shared Engine's (``engine.topo_align.engine``, adapter.py); the seams map DeepSpeed's buffers onto it.
 
 * ZeRO-0 `hierarchical`: ``allreduce_bucket`` keeps DeepSpeed's scaling semantics and replaces only
-  the ``dist.all_reduce`` of each dtype bucket by ``Wire.hierarchical_``.
+  the ``dist.all_reduce`` of each dtype bucket by a SYNC bucket of the engine's dispatcher.
 * ZeRO-0 `selective`: ``buffered_allreduce_fallback`` routes SYNC gradients hierarchically and LOCAL
-  gradients inside the island (on the engine's LOCAL worker); ``clip_fp32_gradients`` clips with one
+  gradients inside the island (dispatcher buckets, SYNC first); ``clip_fp32_gradients`` clips with one
   global norm.
 * All stages: ``step`` hands every optimizer step to ``Engine.after_step`` (reconciliation, possibly
   asynchronous, class refresh, drift promotion, adaptive levels) and reports statistics to
@@ -25,7 +25,8 @@ import os
 import torch
 import torch.distributed as tdist
 
-from ..reducer.classes import LOCAL
+from ..reducer.classes import LOCAL, SYNC
+from ..reducer.dispatch import CommBucket, Reduction
 from ..reducer.importance import Importance
 
 __all__ = ["TopoAlignEngineMixin", "STATE_FILE"]
@@ -51,7 +52,7 @@ class TopoAlignEngineMixin:
         e = st.engine
 
         def hsum():
-            e.wire.hierarchical_(t, key=st.key("bucket"), wire=e.sync_dtype, average=False)
+            e.wait(e.reduce(CommBucket(st.key("bucket"), t, reduction=Reduction.SUM), SYNC))
 
         if not self.gradient_average:
             hsum()
@@ -87,15 +88,19 @@ class TopoAlignEngineMixin:
                 # As DeepSpeed does: every rank must reduce the same sizes.
                 p.grad = torch.zeros_like(p)
             (sync if e.is_sync(name) else local).setdefault(p.grad.dtype, []).append((name, p.grad))
-        for dtype in sorted(sync, key=str):
-            items = sync[dtype]
-            flat = torch.cat([g.reshape(-1) for _, g in items])
-            e.wire.hierarchical_(flat, key=f"sync/{dtype}", wire=e.sync_dtype)
-            self._topo_unflatten(items, flat)
-        for dtype in sorted(local, key=str):
-            items = local[dtype]
-            flat = torch.cat([g.reshape(-1) for _, g in items])
-            e.run(LOCAL, lambda flat=flat, dtype=dtype: e.wire.intra_(flat, key=f"local/{dtype}", wire=e.local_dtype))
+        # 1. SYNC buckets (one per dtype) go first; 2. LOCAL ones follow (held until sync_done);
+        # 3. wait for all and write back.
+        work = []
+        for cls, by_dtype in ((SYNC, sync), (LOCAL, local)):
+            for dtype in sorted(by_dtype, key=str):
+                items = by_dtype[dtype]
+                flat = torch.cat([g.reshape(-1) for _, g in items])
+                work.append((items, flat, e.reduce(CommBucket(f"{cls.lower()}/{dtype}", flat), cls)))
+            if cls == SYNC:
+                e.sync_done()
+        e.all_submitted()
+        for items, flat, fut in work:
+            e.wait(fut)
             self._topo_unflatten(items, flat)
         if e.tracks_fisher:
             names = [n for items in list(sync.values()) + list(local.values()) for n, _ in items]

@@ -11,7 +11,7 @@ these mixins only map DeepSpeed's buffers onto it.
 * ZeRO-1/2 `selective`: DeepSpeed's data-parallel group is the island (an mpu, see :mod:`.mpu`), so
   ZeRO reduces every gradient inside the island and keeps one optimizer-state shard per island
   member, exactly like HSDP. :class:`SelectiveZeroMixin` adds the cross-island step: SYNC slices of
-  the averaged gradient partition go over the rail before the step (``Wire.rail_``); the clip norm
+  the averaged gradient partition go over the rail before the step (a RAIL bucket of the dispatcher); the clip norm
   and the overflow flag are made global; the reconcile source (:class:`PartitionSource`) hands the
   engine the LOCAL slices of the fp32 master partition and of the optimizer moments, and
   ``update_lp_params`` re-gathers the island's bit16 parameters after they changed.
@@ -29,6 +29,8 @@ import math
 import torch
 import torch.distributed as tdist
 
+from ..reducer.classes import SYNC
+from ..reducer.dispatch import Collective, CommBucket, Reduction
 from ..reducer.reconcile import ReconcileItem, is_second_moment
 
 __all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mixin", "PartitionSource",
@@ -41,7 +43,7 @@ __all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mix
 
 def _hsum(st, t: torch.Tensor) -> None:
     e = st.engine
-    e.wire.hierarchical_(t, key=st.key("bucket"), wire=e.sync_dtype, average=False)
+    e.wait(e.reduce(CommBucket(st.key("bucket"), t, reduction=Reduction.SUM), SYNC))
 
 
 class HierarchicalZeroMixin:
@@ -110,9 +112,8 @@ def reduce_scatter_coalesced(tensors, group=None):
       1. build a buffer of ``world`` slots (slot j = chunk j of every tensor, padded), pre-divided by
          ``world``, ordered rail by rail: island member s's part holds the slots of the ranks on its
          rail, in rail order;
-      2. island reduce-scatter (``Wire.reduce_scatter_intra_``): member s gets its rail's slots summed
-         over the island;
-      3. rail reduce-scatter of those slots (``Wire.rail_reduce_scatter_``, wire
+      2-3. one SCATTER bucket of the dispatcher: island reduce-scatter (member s gets its rail's
+         slots summed over the island), then rail reduce-scatter of those slots (wire
          ``communication.inter_dtype`` with error feedback): each rank gets its own slot.
     The slow tier carries 1/k of what a flat reduce-scatter would.
     """
@@ -146,10 +147,8 @@ def reduce_scatter_coalesced(tensors, group=None):
                 parts.append(piece.new_zeros(c - piece.numel()))
         slots.append(torch.cat(parts) if parts else tensors[0].new_zeros(0))
     buf = torch.cat(slots).div_(world)
-    mine = buf.new_empty(slot * g.inter_size)
-    e.wire.reduce_scatter_intra_(mine, buf)
-    out = mine.new_empty(slot)
-    e.wire.rail_reduce_scatter_(out, mine, key=st.key("rs"), wire=e.sync_dtype)
+    out = buf.new_empty(slot)
+    e.wait(e.reduce(CommBucket(st.key("rs"), buf, collective=Collective.SCATTER, out=out), SYNC))
     res, off = [], 0
     for t, c in zip(tensors, chunk):
         n_mine = max(0, min(c, t.numel() - my_rank * c))
@@ -305,7 +304,7 @@ class SelectiveZeroMixin:
             buf = _cat(flat, sync) if flat is not None else torch.zeros(
                 sum(b - a for a, b in sync), dtype=self.single_partition_of_fp32_groups[i].dtype, device=e.device)
             if buf.numel():  # rail partners hold the same partition id, hence the same slices
-                e.wire.rail_(buf, key=f"sync/{i}", wire=e.sync_dtype, average=True)
+                e.wait(e.reduce(CommBucket(f"sync/{i}", buf, collective=Collective.RAIL), SYNC))
             if flat is None:
                 continue
             _uncat(flat, sync, buf)
@@ -326,6 +325,7 @@ class SelectiveZeroMixin:
 
     def step(self, closure=None):
         self._topo_sync_gradients()
+        self.topo_align.engine.all_submitted()  # every gradient collective issued: held reconciliation may go
         return super().step(closure)
 
     # -- 2. one clip norm for everyone ------------------------------------------------------------

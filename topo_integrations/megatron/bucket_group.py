@@ -3,11 +3,9 @@
 Megatron keeps its contiguous gradient buffers, ``param.main_grad`` views, backward hooks and
 first-batch logic; only the two methods that issue the gradient collectives are replaced
 (``start_grad_sync`` / ``finish_grad_sync``, the contract of megatron-core 0.16's
-``_ParamAndGradBucketGroup``, docs/megatron.md). Every collective is a call on the engine's wire
-(topo_integrations/reducer/wire.py) with a residual key that is stable per bucket and class, so
-error feedback, device checks and statistics are the engine's; LOCAL-class collectives are issued
-through ``engine.run(LOCAL, ...)`` (the LOCAL worker's FIFO, which also runs the asynchronous
-reconciliation; ordering rule in topo_integrations/reducer/engine.py).
+``_ParamAndGradBucketGroup``, docs/megatron.md). Each bucket is handed to the engine's dispatcher
+(topo_integrations/reducer/dispatch.py) as one `CommBucket` per class, with a key that is stable per
+bucket and class; wire dtypes, error feedback, levels, order and timing are the dispatcher's.
 
 Element ranges per class come from ``buffer.param_index_map`` (buffer-absolute offsets in the
 padded layout, which the distributed optimizer's shards use too; ``bucket.param_to_index`` ignores
@@ -16,54 +14,22 @@ that padding and must not be used).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
 from ..reducer.classes import LOCAL, SYNC
+from ..reducer.dispatch import Collective, CommBucket, Reduction
+from ..reducer.ranges import Ranges, merge_spans
+from ..reducer.ranges import clip as clip_ranges
 
 __all__ = ["TopoBucketGroup", "Ranges", "class_ranges", "clip_ranges"]
-
-Ranges = list[tuple[int, int]]
 
 
 def class_ranges(spans: list[tuple[int, int, str]]) -> dict[str, Ranges]:
     """Bucket-relative ``(start, end, class)`` spans -> ranges per class, consecutive parameters of
     one class merged (the run also covers the distributed optimizer's alignment padding between
     them, whose gradients are zero)."""
-    runs: list[list] = []
-    for s, e, cls in sorted(spans):
-        if runs and runs[-1][2] == cls:
-            runs[-1][1] = e
-        else:
-            runs.append([s, e, cls])
-    return {c: [(s, e) for s, e, k in runs if k == c] for c in (SYNC, LOCAL)}
-
-
-def clip_ranges(ranges: Ranges, lo: int, hi: int) -> Ranges:
-    """Ranges intersected with [lo, hi), made relative to lo."""
-    out = []
-    for s, e in ranges:
-        s2, e2 = max(s, lo), min(e, hi)
-        if s2 < e2:
-            out.append((s2 - lo, e2 - lo))
-    return out
-
-
-def _take(t: torch.Tensor, ranges: Ranges) -> torch.Tensor:
-    """The elements of ``ranges`` as one contiguous copy."""
-    if len(ranges) == 1:
-        s, e = ranges[0]
-        return t[s:e].clone()
-    return torch.cat([t[s:e] for s, e in ranges])
-
-
-def _put(t: torch.Tensor, ranges: Ranges, values: torch.Tensor) -> None:
-    off = 0
-    for s, e in ranges:
-        t[s:e].copy_(values[off:off + e - s])
-        off += e - s
+    return merge_spans(spans, (SYNC, LOCAL))
 
 
 class TopoBucketGroup(_ParamAndGradBucketGroup):
@@ -127,36 +93,33 @@ class TopoBucketGroup(_ParamAndGradBucketGroup):
             params = [p for b in self.buckets for p in b.params_list]
             e.observe([self.topo_names[p] for p in params],
                       torch.stack([p.main_grad.detach().float().pow(2).sum() for p in params]))
-        if self.topo_stream is not None:
-            self.topo_stream.wait_stream(torch.cuda.default_stream())
-            ctx = torch.cuda.stream(self.topo_stream)
-        else:
-            ctx = nullcontext()
-        with ctx:
-            for i, bucket in enumerate(self.buckets):
-                if self.topo_distopt and not force_all_reduce:
-                    self._reduce_shard(i, bucket)
-                else:
-                    self._reduce_whole(i, bucket)
+        self.topo_futures = []
+        for i, bucket in enumerate(self.buckets):
+            if self.topo_distopt and not force_all_reduce:
+                self._reduce_shard(i, bucket)
+            else:
+                self._reduce_whole(i, bucket)
         self.topo_dispatched = True
         self.grad_reduce_handle = None
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
         """Complete this iteration's reduction (dispatching it now when the hooks did not)."""
         self.param_gather_dispatched = False
-        if not self.ddp_config.overlap_grad_reduce:
-            self.start_grad_sync(force_all_reduce=force_all_reduce)
-            self.topo_dispatched = False
-            return
-        if self.is_first_batch and not self.topo_dispatched:
+        if not self.ddp_config.overlap_grad_reduce or (self.is_first_batch and not self.topo_dispatched):
             self.start_grad_sync(force_all_reduce=force_all_reduce)
         if not self.topo_dispatched:
             raise AssertionError(
                 f"Communication call has not been issued for this bucket "
                 f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad available)")
-        if self.topo_stream is not None:
-            torch.cuda.default_stream().wait_stream(self.topo_stream)
-        self.topo_dispatched = False
+        e = self.topo_engine
+        if getattr(self, "topo_last", True):
+            e.all_submitted()  # every bucket of the step was submitted: held LOCAL and reconciliation may go
+        try:
+            for fut in self.topo_futures:
+                e.wait(fut)
+        finally:
+            self.topo_futures = []
+            self.topo_dispatched = False
 
     # -- reductions --------------------------------------------------------------------------------
 
@@ -166,60 +129,31 @@ class TopoBucketGroup(_ParamAndGradBucketGroup):
     def _key(self, i: int, what: str) -> str:
         return f"{self.topo_tag}/{i}/{what}"
 
-    def _reduce_whole(self, i: int, bucket) -> None:
-        """The whole bucket (plain DDP, or ``force_all_reduce`` under the distributed optimizer).
+    def _submit(self, key: str, flat: torch.Tensor, cls: str, **kw) -> None:
+        self.topo_futures.append(self.topo_engine.reduce(CommBucket(self._key(*key), flat, **kw), cls))
 
-        Phases: 1. SYNC ranges (every range in `hierarchical`): island reduce-scatter, rail
-        all-reduce in the SYNC wire dtype, island all-gather (``wire.hierarchical_``); 2. LOCAL
-        ranges: all-reduce inside the island in ``local.dtype`` (``wire.intra_`` on the LOCAL
-        worker), rescaled to the group mean when Megatron pre-scaled by 1/(L*K).
-        """
+    def _reduce_whole(self, i: int, bucket) -> None:
+        """The whole bucket (plain DDP, or ``force_all_reduce`` under the distributed optimizer): its
+        SYNC ranges (every range outside `selective`) over all ranks, its LOCAL ranges inside the
+        island; Megatron pre-scaled by 1/(L*K) unless ``average_in_collective`` (then MEAN)."""
         e = self.topo_engine
-        w, g = e.wire, e.groups
-        grad, avg = bucket.grad_data, self._average()
+        red = Reduction.MEAN if self._average() else Reduction.SUM
         if not e.selective:
-            w.hierarchical_(grad, key=self._key(i, "all"), wire=e.sync_dtype, cls="sync", average=avg)
+            self._submit((i, "all"), bucket.grad_data, SYNC, reduction=red)
             return
-        ranges = self.topo_ranges[i]
-        if ranges[SYNC]:
-            vals = _take(grad, ranges[SYNC])
-            w.hierarchical_(vals, key=self._key(i, "sync"), wire=e.sync_dtype, cls="sync", average=avg)
-            _put(grad, ranges[SYNC], vals)
-        if ranges[LOCAL]:
-            vals = _take(grad, ranges[LOCAL])
-            e.run(LOCAL, lambda: w.intra_(vals, key=self._key(i, "local"), wire=e.local_dtype, average=avg))
-            if not avg and g.inter_size > 1:
-                vals.mul_(g.inter_size)  # pre-scaled by 1/(L*K) for a global mean; a group mean needs 1/L
-            _put(grad, ranges[LOCAL], vals)
+        for cls, what in ((SYNC, "sync"), (LOCAL, "local")):
+            if self.topo_ranges[i][cls]:
+                self._submit((i, what), bucket.grad_data, cls, ranges=self.topo_ranges[i][cls], reduction=red)
 
     def _reduce_shard(self, i: int, bucket) -> None:
-        """Distributed optimizer: island reduce-scatter, then the rail hop of (part of) my shard.
-
-        Phases: 1. reduce-scatter SUM of the bucket inside my island (= Megatron's optimizer
-        instance); my shard = Megatron's ``shard_buffer(...)[instance rank]``; 2. all-reduce over
-        the rail of the whole shard (`hierarchical`) or of its SYNC ranges (`selective`) in the
-        SYNC wire dtype (``wire.rail_``); 3. (`selective`) LOCAL elements are rescaled to the group mean.
-        """
+        """Distributed optimizer: island reduce-scatter into my shard (Megatron's
+        ``shard_buffer(...)[instance rank]``), then the rail hop of (the SYNC ranges of) the shard."""
         e = self.topo_engine
-        w, g = e.wire, e.groups
-        L, K = g.intra_size, g.inter_size
+        g = e.groups
         if self.cached_grad_buffer_shard_list[i] is None:
-            self.cached_grad_buffer_shard_list[i] = shard_buffer(bucket.grad_data, L)
+            self.cached_grad_buffer_shard_list[i] = shard_buffer(bucket.grad_data, g.intra_size)
         shard = self.cached_grad_buffer_shard_list[i][g.intra_rank]
-        avg = self._average()
-        w.reduce_scatter_intra_(shard, bucket.grad_data, cls="sync")
-        if avg and L > 1:
-            shard.div_(L)
-        if not e.selective:
-            w.rail_(shard, key=self._key(i, "shard"), wire=e.sync_dtype, cls="sync", average=avg)
-            return
-        n = shard.numel()
-        lo = g.intra_rank * n
-        sync_r = clip_ranges(self.topo_ranges[i][SYNC], lo, lo + n)
-        vals = _take(shard, sync_r) if sync_r else None
-        if vals is not None:
-            w.rail_(vals, key=self._key(i, "shard-sync"), wire=e.sync_dtype, cls="sync", average=avg)
-        if not avg and K > 1:
-            shard.mul_(K)  # LOCAL (and padding) elements: pre-scaled by 1/(L*K), a group mean needs 1/L
-        if vals is not None:
-            _put(shard, sync_r, vals)
+        red = Reduction.MEAN if self._average() else Reduction.SUM
+        self._submit((i, "shard-sync" if e.selective else "shard"), bucket.grad_data, SYNC,
+                     ranges=self.topo_ranges[i][SYNC] if e.selective else None, reduction=red,
+                     collective=Collective.SHARD, out=shard)

@@ -249,6 +249,7 @@ class TopoAlignDDP(DistributedDataParallel):
                 bg.__class__ = TopoBucketGroup
                 bg.topo_setup(engine, f"s{slot_i}.bg{gi}", mine, index_map,
                               None if stream is None else getattr(bg, "communication_stream", None) or stream)
+                bg.topo_last = gi == len(bgs) - 1  # its finish releases the engine's held work (all_submitted)
             engine.on_reconfigure(lambda _e, bgs=bgs: [bg.topo_apply_classes() for bg in bgs])
             if cfg.adaptive.enabled:
                 engine.enable_adaptive()

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import AdaptiveConfig
-from .classes import LOCAL, SYNC
+from .classes import SYNC
 from .collectives import run
 from .regroup import choose_plan, regroup
 
@@ -231,17 +231,19 @@ class AdaptiveController:
         e = self.engine
         g = e.groups
         t = torch.ones(self.probe_numel, device=e.device)
-        # inter_low belongs to the LOCAL worker (ordering rule, engine.py): wait for an average in
-        # flight there (so it is not timed), then probe on that worker.
+        # Wait for an average in flight (so it is not timed), then probe in the schedule; the time
+        # is taken after completion (on CUDA after synchronising the stream that ran it).
         e.drain()
-        if e.cuda:
-            torch.cuda.synchronize(e.device)
-        t0 = time.perf_counter()
-        e.run(LOCAL, lambda: run("all_reduce(probe)", "inter", g.inter_low, g, t.numel() * 4, None,
-                                 lambda: dist.all_reduce(t, group=g.inter_low)))
-        if e.cuda:
-            torch.cuda.synchronize(e.device)
-        return time.perf_counter() - t0
+
+        def probe():
+            t0 = time.perf_counter()
+            run("all_reduce(probe)", "inter", g.inter_low, g, t.numel() * 4, None,
+                lambda: dist.all_reduce(t, group=g.inter_low), like=t)
+            if e.cuda:
+                torch.cuda.current_stream(e.device).synchronize()
+            return time.perf_counter() - t0
+
+        return e.call(probe, "adaptive probe")
 
     def after_step(self, optimizer=None) -> None:
         """Measure and decide every ``check_interval`` steps (collective over the DP group then)."""
@@ -271,8 +273,9 @@ class AdaptiveController:
         choice = e.wire.tensor([new], dtype=torch.int64)
         if n > 1:
             g = e.groups
-            run("broadcast(adaptive level)", "dp", g.dp_group, g, 8, None,
-                lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group))
+            e.call(lambda: run("broadcast(adaptive level)", "dp", g.dp_group, g, 8, None,
+                               lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group), like=choice),
+                   "broadcast(adaptive level)")
         new = int(choice.item())
         self.policy.level = new
         self.checks.append({"step": e.step, "level": self.policy.available[new], "measurement": m.__dict__})
@@ -371,7 +374,9 @@ class AdaptiveController:
         from .health import probe_groups, tier_gbps
 
         r = self.engine
-        intra, inter = tier_gbps(probe_groups(r.groups, nbytes=self.probe_numel * 4, iters=2, device=r.device))
+        r.drain()
+        intra, inter = tier_gbps(r.call(lambda: probe_groups(r.groups, nbytes=self.probe_numel * 4, iters=2,
+                                                              device=r.device), "probe of the groups"))
         cands, measured = {"current": r.groups.plan}, {}
         if intra and inter:
             measured["current"] = (intra, inter)
@@ -418,8 +423,9 @@ class AdaptiveController:
         pick = best if best != "current" and est[best] <= (1.0 - self.regroup_margin) * cur else None
         choice = r.wire.tensor([names.index(pick) if pick else -1], dtype=torch.int64)
         if g.dp_size > 1:
-            run("broadcast(regroup choice)", "dp", g.dp_group, g, 8, None,
-                 lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group))
+            r.call(lambda: run("broadcast(regroup choice)", "dp", g.dp_group, g, 8, None,
+                               lambda: dist.broadcast(choice, src=g.dp_ranks[0], group=g.dp_group), like=choice),
+                   "broadcast(regroup choice)")
         idx = int(choice.item())
         pick = names[idx] if 0 <= idx < len(names) else None
         numbers = ", ".join(f"{k} {est[k] * 1e3:.3g} ms" for k in sorted(est))

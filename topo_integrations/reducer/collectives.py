@@ -14,18 +14,20 @@ wall time of the call.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from .compression import choose_scale, is_lossy, needs_scale, quantize, uses_grid
 from .compression import wire_dtype as _as_dtype
-from .groups import ReducerGroups
+
+if TYPE_CHECKING:  # groups.py imports this module (bounded)
+    from .groups import ReducerGroups
 
 __all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
            "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device",
-           "rail_all_reduce", "rail_numel", "rail_reduce_scatter"]
+           "rail_all_reduce", "rail_numel", "rail_reduce_scatter", "bounded"]
 
 Record = Callable[[str, int, float], None] | None
 
@@ -65,10 +67,22 @@ def padded_numel(n: int, k: int) -> int:
     return -(-n // k) * k if k > 1 else n
 
 
-def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: Record, fn):
-    """Issue one collective ``fn()``: failures become :class:`CollectiveError` naming op, group and
-    ranks; ``record(tier, nbytes, seconds)`` books it. On CUDA the seconds are the device time between
-    two events around the call (resolved by Stats at the end of the step), not the enqueue time."""
+def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: Record, fn, *,
+        like: torch.Tensor | None = None):
+    """Issue one collective ``fn()`` and return when it is complete (every call here is blocking).
+
+    Failures (a peer died, the group's ``fallback.timeout_s`` expired) become :class:`CollectiveError`
+    naming op, tier, group and ranks; ``record(tier, nbytes, seconds)`` books it. On the CPU the
+    seconds are the wall time of the blocking call, i.e. until completion; on CUDA they are the device
+    time between two events recorded around the call on the stream that ran it (resolved without
+    synchronising the default stream, Stats). With ``monitor.check_collectives`` (``groups.trace``)
+    the call's fingerprint (communicator, op, dtype of ``like``, elements) is traced first.
+    """
+    trace = getattr(groups, "trace", None)
+    if trace is not None:
+        ranks = groups.ranks_of(group) if hasattr(groups, "ranks_of") else ()
+        trace.add(groups.describe(group), ranks, op, like.dtype if like is not None else "bytes",
+                  like.numel() if like is not None else nbytes)
     dev = getattr(groups, "device", None)
     cuda = dev is not None and dev.type == "cuda"
     if cuda and record is not None:
@@ -79,9 +93,9 @@ def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: R
         out = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         waited = time.perf_counter() - t0
-        timeout = f", timeout {groups.timeout_s:g}s" if groups.timeout_s else ""
+        timeout = f", timeout {groups.timeout_s:g}s (fallback.timeout_s)" if groups.timeout_s else ""
         raise CollectiveError(
-            f"topo_align: {op} on the {groups.describe(group)} failed after {waited:.1f}s{timeout} "
+            f"topo_align: {op} on the {tier} tier, {groups.describe(group)}, failed after {waited:.1f}s{timeout} "
             f"(this is global rank {groups.dp_ranks[groups.position]}): {type(exc).__name__}: {exc}"
         ) from exc
     if record is not None:
@@ -92,6 +106,34 @@ def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: R
         else:
             record(tier, nbytes, time.perf_counter() - t0)
     return out
+
+
+def bounded(what: str, timeout_s: float | None, fn):
+    """Run the blocking collective ``fn()`` (one on a group without a timeout of its own, e.g. the
+    default group during discovery) and raise :class:`CollectiveError` naming ``what`` when it has
+    not returned after ``timeout_s`` (``fallback.timeout_s``). The call keeps waiting in a daemon
+    thread: the error is for the caller, who must end the process (the communicator is unusable)."""
+    if not timeout_s:
+        return fn()
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            box["err"] = exc
+
+    th = threading.Thread(target=target, name="topo_align_bounded", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        raise CollectiveError(f"topo_align: {what} did not complete within fallback.timeout_s = {timeout_s:g}s "
+                              "(a rank did not call it, or a link is down)")
+    if "err" in box:
+        raise box["err"]
+    return box.get("out")
 
 
 def check_device(t: torch.Tensor, groups: ReducerGroups, what: str) -> None:
@@ -107,45 +149,20 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-class _Pending:
-    """Handle of an asynchronous flat all-reduce; ``wait()`` finishes it (and divides)."""
-
-    def __init__(self, work, finish):
-        self._work, self._finish, self._done = work, finish, False
-
-    def is_completed(self) -> bool:
-        return self._done or self._work.is_completed()
-
-    def wait(self):
-        if not self._done:
-            self._work.wait()
-            self._done = True
-            return self._finish()
-        return None
-
-
-def flat_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, average: bool = True, async_op: bool = False,
-                    record: Record = None):
+def flat_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, average: bool = True,
+                    record: Record = None) -> torch.Tensor:
     """One all-reduce over the whole data-parallel group (the fallback; what the frameworks do).
 
     Phases: 1. all-reduce SUM over ``groups.dp_group``; 2. divide by the group size when averaging.
     """
     _check(t, "flat_all_reduce", groups)
     n = groups.dp_size
-
-    def finish():
-        if average and n > 1:
-            t.div_(n)
-        return t
-
-    if async_op:
-        work = run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
-                    lambda: dist.all_reduce(t, group=groups.dp_group, async_op=True))
-        return _Pending(work, finish)
     if n > 1:
         run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
-             lambda: dist.all_reduce(t, group=groups.dp_group))
-    return finish()
+            lambda: dist.all_reduce(t, group=groups.dp_group), like=t)
+    if average and n > 1:
+        t.div_(n)
+    return t
 
 
 def _lossy_all_reduce(v: torch.Tensor, wire: torch.dtype, residual, group, tier: str, groups, record,
@@ -160,11 +177,11 @@ def _lossy_all_reduce(v: torch.Tensor, wire: torch.dtype, residual, group, tier:
     if needs_scale(wire):
         amax = v.abs().max().reshape(1).float() if v.numel() else torch.zeros(1, device=v.device)
         run("all_reduce(MAX amax)", tier, group, groups, 4, record,
-             lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group))
+             lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group), like=amax)
         scale = choose_scale(amax, wire, n_contrib)
     q = quantize(v, wire, scale, residual, grid=uses_grid(wire, n_contrib))
     run("all_reduce", tier, group, groups, q.numel() * q.element_size(), record,
-         lambda: dist.all_reduce(q, group=group))
+         lambda: dist.all_reduce(q, group=group), like=q)
     out = q.to(v.dtype)
     return out / scale if scale is not None else out
 
@@ -175,12 +192,12 @@ def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, recor
         return x
     if wire == x.dtype:
         run("all_reduce", tier, group, groups, x.numel() * x.element_size(), record,
-             lambda: dist.all_reduce(x, group=group))
+             lambda: dist.all_reduce(x, group=group), like=x)
         return x
     if not is_lossy(x.dtype, wire):  # widening (bf16 -> fp32): exact cast, no feedback needed
         w = x.to(wire)
         run("all_reduce", tier, group, groups, w.numel() * w.element_size(), record,
-             lambda: dist.all_reduce(w, group=group))
+             lambda: dist.all_reduce(w, group=group), like=w)
         x.copy_(w)
         return x
     v = x.float()
@@ -218,12 +235,12 @@ def rail_all_reduce(x: torch.Tensor, groups: ReducerGroups, *, wire: torch.dtype
     buf = _padded(x, M)
     sub = torch.empty(buf.numel() // M, dtype=buf.dtype, device=buf.device)
     run("reduce_scatter", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
-        lambda: _reduce_scatter(sub, buf, group=leaf))
+        lambda: _reduce_scatter(sub, buf, group=leaf), like=buf)
     if residual is not None and residual.numel() != sub.numel():
         raise ValueError(f"topo_align: residual has {residual.numel()} elements; the spine chunk has {sub.numel()}")
     hop(sub, wire, residual, spine, "inter", groups, record, groups.spine_rail_size)
     run("all_gather", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
-        lambda: _all_gather(buf, sub, group=leaf))
+        lambda: _all_gather(buf, sub, group=leaf), like=buf)
     if buf.data_ptr() != x.data_ptr():
         x.reshape(-1).copy_(buf[: x.numel()])
     return x
@@ -270,7 +287,7 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
     if L > 1:
         shard = torch.empty(buf.numel() // L, dtype=buf.dtype, device=buf.device)
         run("reduce_scatter", "intra", intra, groups, buf.numel() * buf.element_size(), record,
-             lambda: _reduce_scatter(shard, buf, group=intra))
+             lambda: _reduce_scatter(shard, buf, group=intra), like=buf)
     else:
         shard = buf
     if residual is not None and residual.numel() != rail_numel(shard.numel(), groups):
@@ -281,7 +298,7 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
         shard.div_(L * K)
     if L > 1:
         run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
-             lambda: _all_gather(buf, shard, group=intra))
+             lambda: _all_gather(buf, shard, group=intra), like=buf)
     if buf.data_ptr() != t.data_ptr():
         t.reshape(-1).copy_(buf[: t.numel()])
     return t
@@ -331,7 +348,7 @@ def reconcile_average(t: torch.Tensor, groups: ReducerGroups, *, low_priority: b
     chunk.div_(K)
     if L > 1:
         run("all_gather", "intra", intra, groups, buf.numel() * buf.element_size(), record,
-             lambda: _all_gather(buf, chunk, group=intra))
+             lambda: _all_gather(buf, chunk, group=intra), like=buf)
     else:
         buf.copy_(chunk)
     if buf.data_ptr() != t.data_ptr():
@@ -350,7 +367,7 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, groups: ReducerGroups, *,
         out.copy_(t.reshape(-1)[: out.numel()])
         return out
     run("reduce_scatter", "intra", groups.intra, groups, t.numel() * t.element_size(), record,
-        lambda: _reduce_scatter(out, t, group=groups.intra))
+        lambda: _reduce_scatter(out, t, group=groups.intra), like=t)
     return out
 
 
@@ -378,7 +395,7 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
         w = x if wire == x.dtype else x.to(wire)
         o = out if out.dtype == wire else torch.empty(out.numel(), dtype=wire, device=out.device)
         run("reduce_scatter", "inter", rail, groups, w.numel() * w.element_size(), record,
-            lambda: _reduce_scatter(o, w, group=rail))
+            lambda: _reduce_scatter(o, w, group=rail), like=w)
         if o is not out:
             out.copy_(o)
         return out
@@ -389,12 +406,12 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
     if needs_scale(wire):
         amax = v.abs().max().reshape(1) if v.numel() else torch.zeros(1, device=v.device)
         run("all_reduce(MAX amax)", "inter", rail, groups, 4, record,
-            lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=rail))
+            lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=rail), like=amax)
         scale = choose_scale(amax, wire, K)
     q = quantize(v, wire, scale, residual, grid=uses_grid(wire, K))
     o = torch.empty(out.numel(), dtype=wire, device=out.device)
     run("reduce_scatter", "inter", rail, groups, q.numel() * q.element_size(), record,
-        lambda: _reduce_scatter(o, q, group=rail))
+        lambda: _reduce_scatter(o, q, group=rail), like=q)
     back = o.float()
     out.copy_(back / scale if scale is not None else back)
     return out

@@ -27,17 +27,19 @@ the caller's thread. Two threads never issue on one communicator, so no rank-dep
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from ..config import ConfigError, TopoAlignConfig
 from .classes import LOCAL, SYNC, classify
 from .compression import wire_dtype
+from .dispatch import CommBucket, Dispatcher
 from .drift import DriftMonitor
 from .importance import Importance
-from .reconcile import ParamReconcileSource, ReconcileItem, ReconcileMixin, ReconcileSource
+from .kinds import Cls, Mode, Traffic
+from .order import check_requested
+from .reconcile import ParamReconcileSource, PendingAverage, ReconcileItem, ReconcileMixin, ReconcileSource
 from .stats import Stats
 from .wire import Wire
 
@@ -72,11 +74,18 @@ class Engine(ReconcileMixin):
         self.num_layers = num_layers
         self.params = params or {}
         self.forced_sync = set(forced_sync)
-        self.mode = cfg.mode if groups.hierarchical else "flat"
+        self.mode = Mode(cfg.mode) if groups.hierarchical else Mode.FLAT
         self.stats_ = Stats()
         self.wire = Wire(groups, device=self.device, error_feedback=cfg.communication.error_feedback,
                          stats=self.stats_)
-        self.sync_dtype = wire_dtype(cfg.sync.dtype if cfg.mode == "selective" else cfg.communication.inter_dtype)
+        # Every collective of this engine goes through the dispatcher (dispatch.py: one ordered
+        # schedule). A thread of its own (CPU) when work should overlap the caller's.
+        self.dispatcher = Dispatcher(self.wire, threaded=workers or (self.mode is Mode.SELECTIVE and
+                                                                     cfg.local.async_reconcile),
+                                     timeout_s=cfg.fallback.timeout_s,
+                                     check=check_requested(cfg.monitor.check_collectives))
+        self.wire.dispatch = self.dispatcher
+        self.sync_dtype = wire_dtype(cfg.sync.dtype if cfg.mode == Mode.SELECTIVE else cfg.communication.inter_dtype)
         self.local_dtype = wire_dtype(cfg.local.dtype)
         self.reconcile_interval = cfg.local.reconcile_interval
         self.reconcile_dtype = wire_dtype(cfg.local.reconcile_dtype)
@@ -92,7 +101,7 @@ class Engine(ReconcileMixin):
         self.all_synced = True
         self.max_staleness = 0
         self.class_version = 0
-        self._pending: dict | None = None
+        self._pending: PendingAverage | None = None
         self._listeners: list[Callable[[Engine], None]] = []
         self.classes = self._initial_classes()
         self.levels = levels
@@ -101,27 +110,17 @@ class Engine(ReconcileMixin):
         data-parallel layout is fixed at its start)."""
         self.source: ReconcileSource | None = None
         """The adapter's reconcile source of the latest step (used by adaptive level changes)."""
-        # Workers: one FIFO thread per class (see the ordering rule). LOCAL also runs asynchronous
-        # reconciliation, so it exists whenever that is configured.
-        self._executors: dict[str, ThreadPoolExecutor] = {}
-        want = set()
-        if workers:
-            want |= {SYNC, LOCAL}
-        if self.mode == "selective" and cfg.local.async_reconcile:
-            want.add(LOCAL)
-        for c in sorted(want):
-            self._executors[c] = ThreadPoolExecutor(1, thread_name_prefix=f"topo_align_{c.lower()}")
-        self._streams: dict[str, Any] = {}
-        if self.cuda:
-            self._streams = {SYNC: torch.cuda.Stream(device=self.device, priority=-1),
-                             LOCAL: torch.cuda.Stream(device=self.device, priority=0)}
         self.adaptive = None
+        self._configure_dispatch()
+
+    def _configure_dispatch(self) -> None:
+        self.dispatcher.configure(mode=self.mode, sync_dtype=self.sync_dtype, local_dtype=self.local_dtype)
 
     # ------------------------------------------------------------------ classes
 
     @property
     def selective(self) -> bool:
-        return self.mode == "selective"
+        return self.mode is Mode.SELECTIVE
 
     @property
     def tracks_fisher(self) -> bool:
@@ -137,7 +136,7 @@ class Engine(ReconcileMixin):
         return self.drift.apply(out)
 
     def _initial_classes(self) -> dict[str, str]:
-        if self.mode != "selective":
+        if self.mode is not Mode.SELECTIVE:
             return {n: SYNC for n in self.names}
         # Parameters are equal on every rank at start, so magnitude ranks identically without a collective.
         scores = None
@@ -175,9 +174,11 @@ class Engine(ReconcileMixin):
             self.groups = groups
             self.wire = Wire(groups, device=self.device, error_feedback=self.cfg.communication.error_feedback,
                              stats=self.stats_)
+            self.wire.dispatch = self.dispatcher
+            self.dispatcher.set_wire(self.wire)
             changed = True
         if mode is not None and mode != self.mode:
-            self.mode = mode
+            self.mode = Mode(mode)
             changed = True
         if classes is not None and classes != self.classes:
             if set(classes) != set(self.names):
@@ -191,6 +192,7 @@ class Engine(ReconcileMixin):
         if sync_dtype is not None and wire_dtype(sync_dtype) != self.sync_dtype:
             self.sync_dtype = wire_dtype(sync_dtype)
             changed = True
+        self._configure_dispatch()
         if changed:
             self.wire.reset_residuals()
             for fn in self._listeners:
@@ -242,48 +244,27 @@ class Engine(ReconcileMixin):
                  100 * self.sync_fraction())
         return True
 
-    # ------------------------------------------------------------------ workers
+    # ------------------------------------------------------------------ the dispatcher's facade
 
-    def submit(self, cls: str, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the class's worker (FIFO) or inline; on CUDA on the class's side stream,
-        ordered after the work already queued on the caller's stream."""
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        stream = self._streams.get(cls)
+    def reduce(self, bucket: CommBucket, cls: Cls):
+        """Reduce one bucket of one class (:meth:`Dispatcher.reduce`): a ``torch.futures.Future``."""
+        return self.dispatcher.reduce(bucket, cls)
 
-        def job():
-            if stream is None:
-                return fn()
-            torch.cuda.set_device(self.device)
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                fn()
-                done = torch.cuda.Event()
-                done.record(stream)
-            return done
+    def wait(self, fut):
+        """The value of a future of :meth:`reduce` (bounded by ``fallback.timeout_s``)."""
+        return self.dispatcher.wait(fut)
 
-        ex = self._executors.get(cls)
-        if ex is not None:
-            return ex.submit(job)
-        fut: Future = Future()
-        try:
-            fut.set_result(job())
-        except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            fut.set_exception(exc)
-        return fut
+    def sync_done(self) -> None:
+        """The adapter submitted every SYNC bucket of this step (LOCAL buckets may go)."""
+        self.dispatcher.sync_done()
 
-    def wait(self, fut: Future):
-        """Result of a worker job; on CUDA the caller's stream waits for the job's stream."""
-        out = fut.result()
-        if self.cuda and isinstance(out, torch.cuda.Event):
-            torch.cuda.current_stream(self.device).wait_event(out)
-        return out
+    def all_submitted(self) -> None:
+        """The adapter submitted every bucket of this step (held reconciliation may go)."""
+        self.dispatcher.all_submitted()
 
-    def run(self, cls: str, fn: Callable[[], Any]) -> None:
-        """``submit`` + ``wait``: keeps a collective on the class's communicators in the class's FIFO."""
-        self.wait(self.submit(cls, fn))
+    def call(self, fn: Callable, what: str, traffic: Traffic = Traffic.CONTROL):
+        """Run ``fn`` (collectives on this engine's groups) in the schedule and return its value."""
+        return self.dispatcher.call(fn, what, traffic)
 
     # ------------------------------------------------------------------ agreement
 
@@ -332,6 +313,7 @@ class Engine(ReconcileMixin):
         self.stats_.end_step()
         if self.adaptive is not None:
             self.adaptive.after_step(optimizer)
+        self.dispatcher.end_step(self.step)
         return did
 
     def reconcile(self, source: ReconcileSource | None, blocking: bool = True) -> None:
@@ -355,10 +337,7 @@ class Engine(ReconcileMixin):
         asynchronous reconciliation is waited for and kept, so a resumed run applies the same
         correction at the same step as an uninterrupted one."""
         self.drain()
-        pend = None
-        if self._pending is not None:
-            pend = {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in self._pending.items()
-                    if k != "future"}
+        pend = None if self._pending is None else self._pending.state_dict()
         anchor = None
         if self._anchor is not None:
             anchor = {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in self._anchor.items()}
@@ -368,7 +347,7 @@ class Engine(ReconcileMixin):
             mode = ctrl.base_mode
             if ctrl.saved_classes:
                 classes = dict(ctrl.saved_classes)
-        return {"format": ENGINE_STATE_FORMAT, "mode": mode, "step": self.step, "last_refresh": self.last_refresh,
+        return {"format": ENGINE_STATE_FORMAT, "mode": str(mode), "step": self.step, "last_refresh": self.last_refresh,
                 "reconciles": self.reconciles, "all_synced": self.all_synced, "classes": classes,
                 "residuals": self.wire.residual_state(), "importance": self.importance.state_dict(),
                 "pending": pend, "anchor": anchor, "max_staleness": self.max_staleness,
@@ -407,9 +386,7 @@ class Engine(ReconcileMixin):
         def to_dev(d):
             return None if d is None else {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in d.items()}
 
-        self._pending = to_dev(sd.get("pending"))
-        if self._pending is not None:
-            self._pending["future"] = None
+        self._pending = PendingAverage.from_state(sd.get("pending"), self.device)
         self._anchor = to_dev(sd.get("anchor"))
         self.stats_.load_state_dict(sd["stats"])
         self.drift.load_state_dict(sd.get("drift"))
@@ -421,7 +398,7 @@ class Engine(ReconcileMixin):
         out = self.stats_.as_dict()
         sync_el = sum(self.numels[n] for n in self.names if self.classes[n] == SYNC)
         out.update({
-            "mode": self.mode, "configured_mode": self.cfg.mode, "optimizer_steps": self.step,
+            "mode": str(self.mode), "configured_mode": self.cfg.mode, "optimizer_steps": self.step,
             "reconciles": self.reconciles,
             "sync_tensors": sum(c == SYNC for c in self.classes.values()),
             "local_tensors": sum(c == LOCAL for c in self.classes.values()),
@@ -440,7 +417,5 @@ class Engine(ReconcileMixin):
         self.adaptive = AdaptiveController(self, levels=self.levels)
 
     def close(self) -> None:
-        """Stop the worker threads (after draining a pending average)."""
-        for ex in self._executors.values():
-            ex.shutdown(wait=True)
-        self._executors = {}
+        """Run what is held, wait, stop the dispatcher's thread."""
+        self.dispatcher.close()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..config import TopoAlignConfig
 from ..topology import Plan, PlanError, Topology, TopologyError, plan_groups
 from ..topology.model import DEFAULT_TIERS, RankPlace
+from .collectives import bounded
 
 __all__ = ["ReducerGroups", "SYNC_KINDS", "group_options",
            "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
@@ -85,6 +86,18 @@ class ReducerGroups:
     device: Any = None
     """The communication device: every tensor handed to a collective on these groups lives there
     (set by the engine: the CUDA device with NCCL, the CPU with gloo)."""
+    trace: Any = None
+    """With ``monitor.check_collectives``: the dispatcher's :class:`~topo_integrations.reducer.order.Trace`
+    (every collective on these groups leaves its fingerprint there)."""
+
+    def ranks_of(self, group: Any) -> tuple[int, ...]:
+        """Global ranks of a group handle of this object (the DP group for None)."""
+        if group is None:
+            return tuple(sorted(self.dp_ranks))
+        try:
+            return tuple(sorted(dist.get_process_group_ranks(group)))
+        except (RuntimeError, ValueError):
+            return ()
 
     @property
     def hierarchical(self) -> bool:
@@ -275,19 +288,22 @@ def _chunks_line_up(plan: Plan, dp_ranks_all: list[list[int]]) -> bool:
     return True
 
 
-def broadcast_plan(plan: Plan | None, group=None, *, src: int | None = None) -> Plan:
+def broadcast_plan(plan: Plan | None, group=None, *, src: int | None = None,
+                   timeout_s: float | None = None) -> Plan:
     """Rank ``src`` (default: the group's first rank) sends its plan; every rank returns it.
 
     A planning failure on the source rank travels as an error, so the other ranks raise the same
     :class:`PlanError` instead of waiting forever in the broadcast.
-    Communication: one `broadcast_object_list` over ``group``.
+    Communication: one `broadcast_object_list` over ``group``, bounded by ``timeout_s``
+    (``fallback.timeout_s``: the group may be the default one, whose timeout is not ours).
     """
     if src is None:
         src = 0 if group is None else dist.get_global_rank(group, 0)
     payload: list[Any] = [None]
     if dist.get_rank() == src:
         payload[0] = ("ok", plan.dumps()) if isinstance(plan, Plan) else ("error", "PlanError", str(plan))
-    dist.broadcast_object_list(payload, src=src, group=group)
+    bounded("broadcast_object_list(plan) over the data-parallel group", timeout_s,
+            lambda: dist.broadcast_object_list(payload, src=src, group=group))
     return _unwrap(payload[0])
 
 
@@ -384,4 +400,4 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
             payload = [("error", kind, str(exc))]
             dist.broadcast_object_list(payload, src=src, group=dp_group)
             return _unwrap(payload[0])
-    return broadcast_plan(result, dp_group, src=src)
+    return broadcast_plan(result, dp_group, src=src, timeout_s=cfg.fallback.timeout_s)

@@ -19,14 +19,15 @@ optimizer step the correction ``x += target - snapshot`` is applied (second mome
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
 
-from .classes import LOCAL, SYNC
+from .classes import SYNC
 
-__all__ = ["ReconcileItem", "ReconcileSource", "ParamReconcileSource", "ReconcileMixin", "is_second_moment"]
+__all__ = ["ReconcileItem", "ReconcileSource", "ParamReconcileSource", "ReconcileMixin", "PendingAverage",
+           "is_second_moment"]
 
 
 @dataclass
@@ -93,6 +94,42 @@ class ParamReconcileSource:
         pass
 
 
+@dataclass
+class PendingAverage:
+    """An average in flight (or finished but not yet applied): what the correction needs."""
+
+    keys: list[str]
+    """Keys of the value items, in order (checked against the items at the correction)."""
+    skeys: list[str]
+    """Keys of the optimizer-state items."""
+    snap: torch.Tensor
+    """The values at the snapshot (flat fp32)."""
+    avg: torch.Tensor
+    """What is averaged in place: the values, or their delta from the anchor."""
+    delta: bool
+    """Whether ``avg`` holds the mean delta (target = anchor + outer(delta)) or the mean values."""
+    ssnap: torch.Tensor
+    savg: torch.Tensor
+    local: list[str] = field(default_factory=list)
+    """The LOCAL names at the snapshot (asynchronous only)."""
+    step: int = 0
+    """The optimizer step of the snapshot."""
+    moments: bool = False
+    """Whether optimizer state is part of it."""
+    future: Any = None
+    """The dispatcher's future of the last chunk; None once waited (or after a restore)."""
+
+    def state_dict(self) -> dict:
+        return {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in self.__dict__.items()
+                if k != "future"}
+
+    @classmethod
+    def from_state(cls, sd: dict | None, device) -> "PendingAverage | None":
+        if sd is None:
+            return None
+        return cls(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in sd.items()})
+
+
 def _flat(items: list[ReconcileItem], device) -> torch.Tensor:
     if not items:
         return torch.zeros(0, device=device)
@@ -144,13 +181,15 @@ class ReconcileMixin:
             self.cfg.local.outer_lr != 1.0
         return wants and self._anchor is not None and self._anchor["keys"] == keys
 
-    def _average_flat(self, flat: torch.Tensor, items: list[ReconcileItem], *, wire: torch.dtype, key: str) -> None:
-        """Phases: 1. replicated part: each member averages 1/L of it over the rail (leaf + spine
-        with three levels), the group all-gathers; 2. partition part: one rail all-reduce / K (peers
-        hold the same partition). On the LOCAL worker's communicators, in chunks of the bucket size."""
+    def _average_chunks(self, flat: torch.Tensor, items: list[ReconcileItem], *, wire: torch.dtype,
+                        key: str) -> list[Callable[[], None]]:
+        """Phases, each cut into chunks of the bucket size (dispatcher items, so reconciliation never
+        holds the slow tier longer than one chunk): 1. replicated part: each member averages 1/L of
+        it over the rail (leaf + spine with three levels), the group all-gathers; 2. partition part:
+        one rail all-reduce / K (peers hold the same partition)."""
         nr = sum(i.tensor.numel() for i in items if not i.shard)
-        self.wire.reconcile_(flat[:nr], shard=False, wire=wire, key=key)
-        self.wire.reconcile_(flat[nr:], shard=True, wire=wire, key=key)
+        return (self.wire.reconcile_chunks(flat[:nr], shard=False, wire=wire, key=key)
+                + self.wire.reconcile_chunks(flat[nr:], shard=True, wire=wire, key=key))
 
     def _outer(self, delta: torch.Tensor) -> torch.Tensor:
         """The outer optimizer's step from the mean delta (identity with momentum 0 and lr 1)."""
@@ -170,8 +209,9 @@ class ReconcileMixin:
             off += it.tensor.numel()
         self.drift.measure_segments(segs, before, after, self.wire, step)
 
-    def _launch_average(self, vals, states):
-        """Snapshot and start the averages on the LOCAL worker; returns what the correction needs."""
+    def _launch_average(self, vals, states, *, blocking: bool) -> PendingAverage:
+        """Snapshot and hand the average's chunks to the dispatcher: held until the next step's SYNC
+        reductions are issued (asynchronous), or run now (blocking)."""
         keys = [i.key for i in vals]
         snap = _flat(vals, self.device)
         delta = self._uses_delta(keys)
@@ -179,37 +219,38 @@ class ReconcileMixin:
         ssnap = _flat(states, self.device)
         savg = ssnap.clone()
         wire = self.reconcile_dtype if delta else torch.float32
-
-        def job():
-            self._average_flat(send, vals, wire=wire, key="reconcile")
-            if states:
-                self._average_flat(savg, states, wire=torch.float32, key="moments")
-
-        fut = self.submit(LOCAL, job)
-        return {"keys": keys, "skeys": [i.key for i in states], "snap": snap, "avg": send, "delta": delta,
-                "ssnap": ssnap, "savg": savg, "future": fut}
+        chunks = self._average_chunks(send, vals, wire=wire, key="reconcile")
+        if states:
+            chunks += self._average_chunks(savg, states, wire=torch.float32, key="moments")
+        what = f"reconciliation of step {self.step} ({send.numel() + savg.numel()} elements)"
+        p = PendingAverage(keys=keys, skeys=[i.key for i in states], snap=snap, avg=send, delta=delta,
+                           ssnap=ssnap, savg=savg)
+        if blocking:
+            self.dispatcher.run_reconcile(chunks, what)
+        else:
+            p.future = self.dispatcher.submit_reconcile(chunks, what)
+        return p
 
     def _finish_average(self, p) -> torch.Tensor:
         """The reconciled values (identical on every rank) from a finished average; updates the anchor."""
-        if p["delta"]:
-            target = self._anchor["flat"] + self._outer(p["avg"])
+        if p.delta:
+            target = self._anchor["flat"] + self._outer(p.avg)
         else:
-            target = p["avg"]
-            if self._anchor is None or self._anchor["keys"] != p["keys"]:
-                self._anchor = {"keys": list(p["keys"]), "flat": None, "momentum": None}
+            target = p.avg
+            if self._anchor is None or self._anchor["keys"] != p.keys:
+                self._anchor = {"keys": list(p.keys), "flat": None, "momentum": None}
         self._anchor["flat"] = target.clone()
         return target
 
     def _reconcile_blocking(self, source, *, moments: bool = False) -> None:
         vals, states = self._items(source, self.local_names(), self._moments_due(moments))
         if vals or states:
-            p = self._launch_average(vals, states)
-            self.wait(p["future"])
+            p = self._launch_average(vals, states, blocking=True)
             target = self._finish_average(p)
             _scatter(vals, target)
-            _scatter(states, p["savg"])
+            _scatter(states, p.savg)
             source.written()
-            self._measure(vals, p["snap"], target, self.step)
+            self._measure(vals, p.snap, target, self.step)
         self.all_synced = True
         self.reconciles += 1
         # Every replica is identical now: the only moment a LOCAL tensor may become SYNC.
@@ -223,29 +264,29 @@ class ReconcileMixin:
         if not (vals or states):
             self.all_synced = True
             return
-        p = self._launch_average(vals, states)
-        p.update(local=local, step=self.step, moments=bool(states))
+        p = self._launch_average(vals, states, blocking=False)
+        p.local, p.step, p.moments = local, self.step, bool(states)
         self._pending = p
         self.reconciles += 1
 
     def _apply_pending(self, source) -> None:
         p, self._pending = self._pending, None
-        if p.get("future") is not None:
-            self.wait(p["future"])
-        vals, states = self._items(source, p["local"], p["moments"])
-        if [i.key for i in vals] != p["keys"] or [i.key for i in states] != p["skeys"]:
+        if p.future is not None:
+            self.wait(p.future)
+        vals, states = self._items(source, p.local, p.moments)
+        if [i.key for i in vals] != p.keys or [i.key for i in states] != p.skeys:
             raise RuntimeError("topo_align: the tensors to reconcile changed between the snapshot and the "
                                "correction (optimizer state created or dropped?)")
         target = self._finish_average(p)
-        _scatter(vals, target, snap=p["snap"])
-        _scatter(states, p["savg"], snap=p["ssnap"])
+        _scatter(vals, target, snap=p.snap)
+        _scatter(states, p.savg, snap=p.ssnap)
         source.written()
-        self._measure(vals, p["snap"], target, p["step"])
-        self.max_staleness = max(self.max_staleness, self.step - p["step"])
+        self._measure(vals, p.snap, target, p.step)
+        self.max_staleness = max(self.max_staleness, self.step - p.step)
 
     def drain(self) -> None:
         """Wait for an in-flight asynchronous average (no new collective); keeps the correction."""
         p = self._pending
-        if p is not None and p.get("future") is not None:
-            self.wait(p["future"])
-            p["future"] = None
+        if p is not None and p.future is not None:
+            self.wait(p.future)
+            p.future = None

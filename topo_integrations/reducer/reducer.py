@@ -43,6 +43,7 @@ from ..config import TopoAlignConfig
 from ..topology import Plan
 from .buckets import Bucket, build_buckets
 from .classes import LOCAL, SYNC, layer_indices
+from .dispatch import CommBucket
 from .engine import Engine, ParamReconcileSource
 from .groups import ReducerGroups, build_groups, discover_plan
 from .importance import Importance
@@ -258,21 +259,15 @@ class GroupedReducer:
             n += 1
         return n
 
-    def _reduce_bucket(self, b: Bucket) -> None:
-        """The collective of one bucket (runs in the class's worker thread or inline)."""
-        e = self.engine
-        if e.mode == "flat":
-            e.wire.flat_(b.buffer, cls="sync")
-        elif b.cls == SYNC:
-            e.wire.hierarchical_(b.buffer, key=f"sync/{b.index}", wire=e.sync_dtype, cls="sync")
-        else:
-            e.wire.intra_(b.buffer, key=f"local/{b.index}", wire=e.local_dtype, cls="local")
-
     def _launch(self, b: Bucket) -> None:
+        """Hand one bucket to the dispatcher (it decides wire, residual, levels and when it goes)."""
         b.launched = True
-        # Flat is one class: every bucket on the SYNC worker, so the DP-group all-reduces are issued
-        # in one order on every rank.
-        b.future = self.engine.submit(SYNC if self.engine.mode == "flat" else b.cls, lambda: self._reduce_bucket(b))
+        b.future = self.engine.reduce(CommBucket(f"{b.cls.lower()}/{b.index}", b.buffer), b.cls)
+        if b.cls == SYNC and self._next[SYNC] + 1 >= len(self._buckets[SYNC]):
+            self.engine.sync_done()  # the step's last SYNC bucket: LOCAL buckets may follow
+        left = sum(len(self._buckets[c]) - self._next[c] for c in (SYNC, LOCAL)) - 1
+        if left == 0:
+            self.engine.all_submitted()  # the step's last bucket: held reconciliation may follow
 
     def finish_grad_sync(self) -> None:
         """Launch the remaining buckets, wait for all, write the reduced gradients into ``p.grad``.
@@ -281,6 +276,10 @@ class GroupedReducer:
         """
         if not self._sync_enabled:
             return
+        if not self._buckets[SYNC]:
+            self.engine.sync_done()
+        if not any(self._buckets.values()):
+            self.engine.all_submitted()
         for cls in (SYNC, LOCAL):
             for b in self._buckets[cls]:
                 if b.full:

@@ -61,7 +61,9 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
                          f"({len(g.dp_ranks)} of {dist.get_world_size()} ranks)")
     if engine.mode == "selective":
         engine.reconcile(engine.source)
-    plan = broadcast_plan(plan if g.position == 0 else None, g.dp_group, src=g.dp_ranks[0])
+    engine.dispatcher.drain()
+    plan = engine.call(lambda: broadcast_plan(plan if g.position == 0 else None, g.dp_group, src=g.dp_ranks[0],
+                                              timeout_s=engine.cfg.fallback.timeout_s), "broadcast(regroup plan)")
     new = build_groups(plan, timeout_s=engine.cfg.fallback.timeout_s)
     new.device = engine.device
     old_desc = [list(x) for x in g.plan.intra_groups]

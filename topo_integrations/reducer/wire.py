@@ -34,6 +34,9 @@ class Wire:
         self.chunk_numel = max(1, int(chunk_numel))
         self._residuals: dict[str, torch.Tensor] = {}
         self._rec = {c: stats.recorder(c) for c in ("sync", "local", "reconcile", "control")}
+        self.dispatch = None
+        """The engine's Dispatcher: control collectives (:meth:`agree`) are issued through it, so that
+        they take their place in the one schedule (dispatch.py)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -112,23 +115,33 @@ class Wire:
         """Reduce-scatter SUM of ``t`` inside the island into ``out`` (member i gets chunk i)."""
         return C.reduce_scatter(out, t, self.groups, record=self._rec[cls])
 
-    def reconcile_(self, flat: torch.Tensor, *, shard: bool, wire: torch.dtype = torch.float32,
-                   key: str = "reconcile") -> torch.Tensor:
-        """Mean across islands of ``flat`` (fp32), in chunks, on the LOCAL communicators (see
-        Engine._average); a lossy ``wire`` keeps its rounding error under ``key/<chunk>``."""
+    def reconcile_chunks(self, flat: torch.Tensor, *, shard: bool, wire: torch.dtype = torch.float32,
+                         key: str = "reconcile") -> list:
+        """Mean across islands of ``flat`` (fp32) as one closure per chunk of ``chunk_numel`` (the
+        dispatcher issues them; a lossy ``wire`` keeps each chunk's rounding error under
+        ``key/<chunk>``). ``shard``: a per-rank partition (rail all-reduce / K); else identical inside
+        the island (1/L per member over the rail, then an island all-gather)."""
         g = self.groups
-        n = flat.numel()
-        for i, start in enumerate(range(0, n, self.chunk_numel)):
+        out = []
+        for i, start in enumerate(range(0, flat.numel(), self.chunk_numel)):
             part = flat[start:start + self.chunk_numel]
             if shard:
-                self.rail_(part, key=f"{key}/s{i}", wire=wire, cls="reconcile", average=True, low_priority=True)
+                def job(part=part, i=i):
+                    self.rail_(part, key=f"{key}/s{i}", wire=wire, cls="reconcile", average=True, low_priority=True)
             else:
-                res = self.residual(f"{key}/r{i}", C.rail_numel(-(-part.numel() // g.intra_size), g),
-                                    part.dtype, wire)
-                C.reconcile_average(part, g, low_priority=True, wire=wire, residual=res,
-                                    record=self._rec["reconcile"])
-        return flat
+                def job(part=part, i=i):
+                    res = self.residual(f"{key}/r{i}", C.rail_numel(-(-part.numel() // g.intra_size), g),
+                                        part.dtype, wire)
+                    C.reconcile_average(part, g, low_priority=True, wire=wire, residual=res,
+                                        record=self._rec["reconcile"])
+            out.append(job)
+        return out
 
     def agree(self, x: torch.Tensor, op: str = "sum", *, over: str = "dp", cls: str = "control") -> torch.Tensor:
-        """SUM or MAX of ``x`` over the DP group (``over="dp"``) or my rail (``"inter"``); a copy."""
-        return C.agree_scalar(x, self.groups, op, over=over, record=self._rec[cls])
+        """SUM or MAX of ``x`` over the DP group (``over="dp"``) or my rail (``"inter"``); a copy.
+        Through the dispatcher when there is one (its place in the schedule)."""
+        def fn():
+            return C.agree_scalar(x, self.groups, op, over=over, record=self._rec[cls])
+        if self.dispatch is None:
+            return fn()
+        return self.dispatch.call(fn, f"agree({op}) over {over}", cls)

@@ -1,0 +1,439 @@
+"""The dispatcher: the one layer that issues the engine's collectives, in one ordered schedule.
+
+An adapter maps its framework's buffers to :class:`CommBucket` s and calls
+``reduce(bucket, cls) -> torch.futures.Future`` (the contract of a PyTorch DDP comm hook); the
+engine's own traffic (reconciliation chunks, control scalars, probes) goes through the same queue.
+Everything else is decided here, once, from the plan and the config: the wire dtype of each hop,
+the error-feedback residual (keyed by the bucket), two or three levels, and the timing.
+
+The schedule (docs/reducer.md, "One schedule"):
+
+1. **One issuing thread.** On the CPU (gloo calls block) the dispatcher's thread issues every
+   collective, so communication overlaps backward; on CUDA the caller's thread enqueues them on one
+   communication stream (NCCL calls return once enqueued) and waits are stream waits on events.
+   Either way the collectives leave in the order they were *released*, one at a time.
+2. **Release points are fixed by the program, never by timing.** SYNC buckets are released when
+   submitted; LOCAL buckets are held until the adapter says the step's SYNC buckets are all
+   submitted (:meth:`Dispatcher.sync_done`) or a caller waits for one of them; reconciliation
+   chunks are held until every bucket of the next step is submitted (:meth:`Dispatcher.all_submitted`)
+   or someone needs the average. A release point is a position in the sequence of submissions,
+   not a time: which buckets fill during backward may differ between ranks (a parameter without
+   gradient on one rank), the sequence SYNC..., LOCAL..., reconciliation... does not.
+   Submissions come from the training thread in program order, so the released sequence, hence
+   every communicator's sequence and their interleaving, is the same on every rank.
+3. **Priority.** Within a step the SYNC reductions go first; LOCAL (island tier) and reconciliation
+   (slow tier, in chunks) follow, so reconciliation never queues ahead of a SYNC reduction on the
+   slow tier.
+4. **Completion and bounds.** An item is done when its collectives completed (CPU: the blocking
+   calls returned; CUDA: the future carries the stream's events). Waits are bounded by
+   ``fallback.timeout_s``: past it the wait raises :class:`CollectiveError` naming the item in
+   flight. After a failure every later item fails at once (no second wait on a dead peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Callable
+
+import torch
+
+from .collectives import CollectiveError
+from .kinds import Cls, Mode, Traffic
+from .order import CollectiveOrderError, Trace, compare
+from .ranges import Ranges, clip, put, take
+
+__all__ = ["Collective", "Reduction", "CommBucket", "Dispatcher", "CollectiveOrderError"]
+
+log = logging.getLogger("topo_align")
+
+
+class Collective(StrEnum):
+    """What the framework needs done with a bucket (the framework may have done part of it)."""
+
+    ALL_REDUCE = "all_reduce"
+    """Every DP rank ends with the reduction of ``flat`` (per class: SYNC over all ranks, LOCAL
+    inside the island)."""
+    RAIL = "rail"
+    """``flat`` is already reduced inside the island (a ZeRO-1/2 partition): only the rail hop, for
+    SYNC ranges (LOCAL ranges keep the island value)."""
+    SHARD = "shard"
+    """Megatron's distributed optimizer: island reduce-scatter of ``flat`` into ``out`` (my island
+    shard), then the rail hop of the SYNC ranges of ``out`` (all of it outside `selective`)."""
+    SCATTER = "scatter"
+    """ZeRO-3: ``flat`` holds the slots of every rank ordered rail by rail; island reduce-scatter,
+    then rail reduce-scatter into ``out`` (my slot)."""
+
+
+class Reduction(StrEnum):
+    MEAN = "mean"
+    """The dispatcher divides: SYNC by the DP size, LOCAL by the island size."""
+    SUM = "sum"
+    """No division (the framework pre-scaled). LOCAL: the island sum times the number of islands,
+    the island's estimate of the DP sum (with 1/DP pre-scaling: the island mean)."""
+
+
+@dataclass(eq=False)
+class CommBucket:
+    """One bucket of one class, as the adapter hands it over."""
+
+    key: str
+    """Stable across steps and ranks (e.g. ``"sync/3"``): names the error-feedback residual and the
+    bucket in errors."""
+    flat: torch.Tensor
+    """Contiguous 1-D storage of the framework; reduced in place."""
+    ranges: Ranges | None = None
+    """Element ranges of ``flat`` that belong to the class; None: all of it."""
+    reduction: Reduction = Reduction.MEAN
+    collective: Collective = Collective.ALL_REDUCE
+    out: torch.Tensor | None = None
+    """SHARD / SCATTER: where my part of the result goes."""
+
+
+@dataclass(eq=False)
+class _Item:
+    what: str
+    traffic: Traffic
+    fn: Callable[[], Any]
+    future: torch.futures.Future
+    ready: Any = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    submitted: float = 0.0
+    finished: float | None = None
+    reconcile: bool = False
+
+
+class Dispatcher:
+    """See the module docstring. ``wire`` holds the groups, the residuals and the statistics."""
+
+    def __init__(self, wire, *, threaded: bool, timeout_s: float | None, check: bool = False):
+        self.wire = wire
+        self.device = wire.device
+        self.cuda = self.device.type == "cuda"
+        # gloo collectives block the caller: a thread gives the overlap. NCCL enqueues: one thread
+        # (the caller's) keeps the issue order without any thread of ours.
+        self.threaded = bool(threaded) and not self.cuda
+        self.timeout_s = timeout_s
+        self.mode: Mode = Mode.HIERARCHICAL
+        self.sync_dtype = torch.float32
+        self.local_dtype = torch.float32
+        self._stream = torch.cuda.Stream(device=self.device, priority=-1) if self.cuda else None
+        self._held_local: list[_Item] = []
+        self._held_reconcile: list[_Item] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._running: _Item | None = None
+        self._broken: BaseException | None = None
+        self._lock = threading.Lock()
+        self._rc_outstanding = 0
+        self._pending_items: dict[int, _Item] = {}
+        """id(future) -> its item, until done (wait() finds held and running items here)."""
+        self.trace = Trace() if check else None
+        wire.groups.trace = self.trace
+        self.schedule: list[dict] = []
+        """Per step: ``sync_tail_s`` (last SYNC submission -> last SYNC completion) and
+        ``reconcile_in_flight`` (a reconciliation was outstanding when the step's SYNC began)."""
+        self._step_sync: list[_Item] = []
+        self._step_rc = False
+        self._local_open = False
+        """After sync_done and until all_submitted: LOCAL buckets go when submitted."""
+
+    # ------------------------------------------------------------------ policy inputs
+
+    def configure(self, *, mode: Mode, sync_dtype: torch.dtype, local_dtype: torch.dtype) -> None:
+        """The engine's current mode and wire dtypes (changed only at step boundaries)."""
+        self.mode, self.sync_dtype, self.local_dtype = Mode(mode), sync_dtype, local_dtype
+
+    def set_wire(self, wire) -> None:
+        """New groups (adaptive regrouping): same schedule, new communicators."""
+        self.wire = wire
+        wire.groups.trace = self.trace
+
+    # ------------------------------------------------------------------ the adapters' call
+
+    def reduce(self, bucket: CommBucket, cls: Cls) -> torch.futures.Future:
+        """Reduce one bucket of one class; the future's value is ``bucket.out`` or ``bucket.flat``."""
+        cls = Cls(cls)
+        fn = self._recipe(bucket, cls)
+        value = bucket.out if bucket.out is not None else bucket.flat
+        traffic = Traffic.SYNC if cls is Cls.SYNC or self.mode is Mode.FLAT else Traffic.LOCAL
+
+        def job():
+            fn()
+            return value
+
+        item = self._item(f"{bucket.collective} of {cls} bucket {bucket.key!r} ({bucket.flat.numel()} elements)",
+                          traffic, job)
+        if traffic is Traffic.SYNC:
+            if not self._step_sync:
+                self._step_rc = self._rc_outstanding > 0
+            self._step_sync.append(item)
+            self._release([item])
+        elif self._local_open:
+            self._release([item])
+        else:
+            self._held_local.append(item)
+        return item.future
+
+    def sync_done(self) -> None:
+        """Every SYNC bucket of this step is submitted: release the LOCAL buckets (held and later)."""
+        self._release(self._take_held(reconcile=False))
+        self._local_open = True
+
+    def all_submitted(self) -> None:
+        """Every bucket of this step is submitted: release LOCAL, then the held reconciliation."""
+        self._release(self._take_held(reconcile=True))
+        self._local_open = False
+
+    def wait(self, fut: torch.futures.Future):
+        """The future's value, bounded by ``fallback.timeout_s``; held LOCAL work is released first
+        (a caller waiting for it is a fixed point of the program)."""
+        item = self._find(fut)
+        if item is not None:
+            if any(i is item for i in self._held_local):
+                self._release(self._take_held(reconcile=False))
+            if any(i is item for i in self._held_reconcile):
+                self._release(self._take_held(reconcile=True))
+            self._wait_item(item)
+        return fut.wait()
+
+    def call(self, fn: Callable[[], Any], what: str, traffic: Traffic = Traffic.CONTROL):
+        """Run ``fn`` (one or more collectives) in the schedule now and return its value."""
+        item = self._item(what, traffic, fn)
+        self._release([item])
+        return self.wait(item.future)
+
+    def submit_reconcile(self, chunks: list[Callable[[], None]], what: str) -> torch.futures.Future:
+        """Hold the chunks of an asynchronous reconciliation until the next ``sync_done``; the
+        future completes with the last chunk (items run in order and fail fast)."""
+        items = [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c, reconcile=True)
+                 for i, c in enumerate(chunks)]
+        if not items:
+            fut = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+        with self._lock:
+            self._rc_outstanding += len(items)
+        self._held_reconcile.extend(items)
+        return items[-1].future
+
+    def run_reconcile(self, chunks: list[Callable[[], None]], what: str) -> None:
+        """A blocking reconciliation: the chunks go now (after anything held) and are waited for."""
+        fut = self.submit_reconcile(chunks, what)
+        self.wait(fut)
+
+    def drain(self) -> None:
+        """Wait until every released item is done (held ones stay held)."""
+        self.call(lambda: None, "drain")
+
+    # ------------------------------------------------------------------ step boundary
+
+    def end_step(self, step: int) -> None:
+        """Close the step: its schedule figures; with the check on, compare the fingerprints of
+        every rank (one all_gather_object over the DP group, not traced) and raise
+        :class:`CollectiveOrderError` at the first divergence."""
+        if self._step_sync:
+            last_submit = max(i.submitted for i in self._step_sync)
+            done = [i.finished for i in self._step_sync if i.finished is not None]
+            if done and not self.cuda:
+                self.schedule.append({"step": step, "sync_tail_s": max(done) - last_submit,
+                                      "reconcile_in_flight": self._step_rc})
+                del self.schedule[:-10000]
+        self._step_sync = []
+        self._local_open = False
+        if self.trace is None:
+            return
+        self.drain()
+        mine = self.trace.take()
+        g = self.wire.groups
+        if g.dp_size < 2:
+            return
+        import torch.distributed as dist
+
+        gathered: list = [None] * g.dp_size
+        from .collectives import bounded
+
+        bounded(f"all_gather_object(collective fingerprints, step {step})", self.timeout_s,
+                lambda: dist.all_gather_object(gathered, (dist.get_rank(), mine), group=g.dp_group))
+        compare(dict(gathered), step=step)
+
+    def close(self) -> None:
+        """Run what is held, wait, stop the thread."""
+        if self._broken is None:
+            self._release(self._take_held(reconcile=True))
+            try:
+                self.drain()
+            except Exception:  # noqa: BLE001 - closing after a failure: nothing left to save
+                pass
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # ------------------------------------------------------------------ recipes
+
+    def _recipe(self, b: CommBucket, cls: Cls) -> Callable[[], None]:
+        """The collectives of one bucket, per (collective, class, mode): wire dtype, residual key,
+        levels. Phases in each branch's comment."""
+        w = self.wire
+        g = w.groups
+        mean = b.reduction is Reduction.MEAN
+        col = b.collective
+        if col is not Collective.ALL_REDUCE and self.mode is Mode.FLAT:
+            raise ValueError(f"topo_align: a {col} bucket needs a hierarchical plan (mode is 'flat')")
+
+        def on_ranges(fn):
+            def job():
+                if b.ranges is None:
+                    fn(b.flat)
+                elif b.ranges:
+                    v = take(b.flat, b.ranges)
+                    fn(v)
+                    put(b.flat, b.ranges, v)
+            return job
+
+        if col is Collective.ALL_REDUCE:
+            if self.mode is Mode.FLAT:
+                # 1. one all-reduce over the DP group.
+                return on_ranges(lambda v: w.flat_(v, cls=Traffic.SYNC, average=mean))
+            if cls is Cls.SYNC:
+                # 1. island reduce-scatter; 2. rail all-reduce in sync.dtype (leaf + spine with three
+                #    levels), error feedback under the bucket's key; 3. island all-gather.
+                return on_ranges(lambda v: w.hierarchical_(v, key=b.key, wire=self.sync_dtype, cls=Traffic.SYNC,
+                                                           average=mean))
+
+            def local(v):
+                # 1. all-reduce inside the island in local.dtype (error feedback); 2. SUM: x K.
+                w.intra_(v, key=b.key, wire=self.local_dtype, cls=Traffic.LOCAL, average=mean)
+                if not mean and g.inter_size > 1:
+                    v.mul_(g.inter_size)
+            return on_ranges(local)
+        if col is Collective.RAIL:
+            if cls is Cls.LOCAL:
+                return lambda: None
+            # 1. all-reduce over my rail in sync.dtype (the island step was the framework's).
+            return on_ranges(lambda v: w.rail_(v, key=b.key, wire=self.sync_dtype, cls=Traffic.SYNC, average=mean))
+        if col is Collective.SHARD:
+            return lambda: self._shard(b, mean)
+        if col is Collective.SCATTER:
+            def scatter():
+                # 1. island reduce-scatter: member s gets its rail's slots; 2. rail reduce-scatter in
+                #    sync.dtype (error feedback) into my slot.
+                mid = b.flat.new_empty(b.flat.numel() // g.intra_size)
+                w.reduce_scatter_intra_(mid, b.flat)
+                w.rail_reduce_scatter_(b.out, mid, key=b.key, wire=self.sync_dtype)
+            return scatter
+        raise ValueError(f"topo_align: unknown collective {col!r}")
+
+    def _shard(self, b: CommBucket, mean: bool) -> None:
+        """Phases: 1. island reduce-scatter of ``flat`` into ``out`` (/L for MEAN); 2. rail all-reduce
+        of ``out`` (its SYNC ranges in `selective`) in sync.dtype; 3. SUM: LOCAL elements x K."""
+        w = self.wire
+        g = w.groups
+        L, K = g.intra_size, g.inter_size
+        out = b.out
+        w.reduce_scatter_intra_(out, b.flat, cls=Traffic.SYNC)
+        if mean and L > 1:
+            out.div_(L)
+        if b.ranges is None:
+            w.rail_(out, key=b.key, wire=self.sync_dtype, cls=Traffic.SYNC, average=mean)
+            return
+        n = out.numel()
+        lo = g.intra_rank * n
+        sync_r = clip(b.ranges, lo, lo + n)
+        vals = take(out, sync_r) if sync_r else None
+        if vals is not None:
+            w.rail_(vals, key=b.key, wire=self.sync_dtype, cls=Traffic.SYNC, average=mean)
+        if not mean and K > 1:
+            out.mul_(K)
+        if vals is not None:
+            put(out, sync_r, vals)
+
+    # ------------------------------------------------------------------ the queue
+
+    def _item(self, what: str, traffic: Traffic, fn, *, reconcile: bool = False) -> _Item:
+        fut = torch.futures.Future(devices=[self.device]) if self.cuda else torch.futures.Future()
+        item = _Item(what, Traffic(traffic), fn, fut, submitted=time.perf_counter(), reconcile=reconcile)
+        if self.cuda:
+            item.ready = torch.cuda.Event()
+            item.ready.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            self._pending_items[id(fut)] = item
+        return item
+
+    def _find(self, fut) -> _Item | None:
+        with self._lock:
+            return self._pending_items.get(id(fut))
+
+    def _take_held(self, *, reconcile: bool) -> list[_Item]:
+        out, self._held_local = self._held_local, []
+        if reconcile:
+            out += self._held_reconcile
+            self._held_reconcile = []
+        return out
+
+    def _release(self, items: list[_Item]) -> None:
+        if not items:
+            return
+        if not self.threaded:
+            for it in items:
+                self._execute(it)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="topo_align_dispatch", daemon=True)
+            self._thread.start()
+        for it in items:
+            self._queue.put(it)
+
+    def _loop(self) -> None:
+        while True:
+            it = self._queue.get()
+            if it is None:
+                return
+            self._execute(it)
+
+    def _execute(self, it: _Item) -> None:
+        self._running = it
+        try:
+            if self._broken is not None:
+                raise CollectiveError(f"topo_align: {it.what} not issued: an earlier collective failed "
+                                      f"({type(self._broken).__name__}: {self._broken})")
+            if self._stream is None:
+                value = it.fn()
+                it.finished = time.perf_counter()
+                it.future.set_result(value)
+            else:
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(it.ready)
+                    value = it.fn()
+                    # A CUDA-aware future: waiters' streams wait for this stream's work so far.
+                    it.future.set_result(value)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            if self._broken is None:
+                self._broken = exc
+            it.error = exc
+            it.future.set_exception(exc)
+        finally:
+            self._running = None
+            if it.reconcile:
+                with self._lock:
+                    self._rc_outstanding -= 1
+            with self._lock:
+                self._pending_items.pop(id(it.future), None)
+            it.done.set()
+
+    def _wait_item(self, it: _Item) -> None:
+        limit = None if not self.timeout_s else 2 * self.timeout_s + 10
+        if not it.done.wait(limit):
+            running = self._running
+            raise CollectiveError(
+                f"topo_align: {it.what} did not complete within {limit:g}s (fallback.timeout_s = "
+                f"{self.timeout_s:g}); in flight: {running.what if running else 'nothing'}")
+        if it.error is not None:
+            raise it.error
