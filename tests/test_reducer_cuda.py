@@ -1,7 +1,12 @@
-"""The CUDA path of the reducer (side streams, events; SYNC on a high-priority stream).
+"""The CUDA path of the reducer: the dispatcher's communication stream, CUDA-aware futures, event
+timing. The one file to run when a GPU is at hand (``bash scripts/test.sh tests/test_reducer_cuda.py``).
 
-Runs only where CUDA exists: 4 gloo ranks share one GPU (gloo accepts CUDA tensors), so the streams,
-events and device-side scaling are exercised even on a one-GPU machine. Skipped without CUDA.
+* ``test_cuda_streams_path`` (one GPU is enough): 4 gloo ranks share the GPU (gloo accepts CUDA
+  tensors), so the stream/event path and device-side scaling run, with ``monitor.check_collectives``.
+* ``test_nccl_dispatcher_two_ranks`` (two GPUs): 2 ranks on NCCL, one GPU each: hierarchical equals
+  NCCL's own all-reduce, the futures carry the communication stream's events, timings are device
+  times, and every rank issued the same collectives (the check). NCCL refuses two ranks on one GPU.
+Skipped without CUDA (and the NCCL test without two GPUs).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ def _rank_main(rank, world):
     from test_reducer_modes import HOSTNAME_ENV, cfg_of, flat_params, make, same_on
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
+    os.environ["TOPO_ALIGN_CHECK_COLLECTIVES"] = "1"
     g = build_groups(discover_plan(cfg_of()), timeout_s=120)
     out = {}
     for mode in ("hierarchical", "selective"):
@@ -71,3 +77,53 @@ def test_cuda_streams_path():
     for r in res:
         assert r["hierarchical"]["worst"] <= 1e-5
         assert r["hierarchical"]["same"] and r["selective"]["same"]
+
+
+def _nccl_main(rank, world):
+    import torch.distributed as dist
+
+    from topo_integrations.reducer import build_groups
+    from topo_integrations.reducer.dispatch import CommBucket
+    from topo_integrations.reducer.engine import Engine
+    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.topology import plan_groups
+
+    from test_reducer_modes import cfg_of
+
+    os.environ["TOPO_ALIGN_CHECK_COLLECTIVES"] = "1"
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    # Two "nodes" of one GPU each: islands of one, a rail of two (the slow tier).
+    plan = plan_groups(gather_hostnames_topology(["n0", "n1"]))
+    g = build_groups(plan, timeout_s=120)
+    out = {}
+    for mode in ("hierarchical", "selective"):
+        cfg = cfg_of(mode=mode, sync__last_n_layers=0, sync__top_fraction=0.0, sync__always_sync=[])
+        e = Engine(cfg, g, ["a", "b"], [1000, 24], device=dev, layers={"a": None, "b": None})
+        x = torch.randn(1000, device=dev, generator=torch.Generator(device=dev).manual_seed(rank))
+        want = x.clone()
+        dist.all_reduce(want)
+        want /= world
+        fut = e.reduce(CommBucket("a", x), "SYNC")
+        e.sync_done()
+        e.all_submitted()
+        got = e.wait(fut)
+        torch.cuda.current_stream().synchronize()
+        out[mode] = {"rel": float((got - want).norm() / want.norm()), "is_out": got.data_ptr() == x.data_ptr()}
+        e.after_step(None)
+        st = e.stats()
+        out[mode]["seconds"] = sum(sum(v.values()) for v in st["total"]["seconds"].values())
+        e.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
+def test_nccl_dispatcher_two_ranks():
+    from topo_integrations.testing import run_world
+
+    res = run_world(2, _nccl_main, timeout=280, env={"OMP_NUM_THREADS": "1"}, backend="nccl")
+    for r in res:
+        for mode in ("hierarchical", "selective"):
+            assert r[mode]["rel"] <= 1e-6 and r[mode]["is_out"], r
+            assert r[mode]["seconds"] > 0, r

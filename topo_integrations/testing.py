@@ -35,7 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict, results, pg_timeout: float):
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict, results, pg_timeout: float,
+           backend: str = "gloo"):
     import torch
     import torch.distributed as dist
 
@@ -48,7 +49,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
+            backend, rank=rank, world_size=world_size,
             init_method=f"tcp://127.0.0.1:{port}",
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
@@ -71,15 +72,17 @@ def run_world(
     timeout: float = 180.0,
     env: dict[str, str] | None = None,
     pg_timeout: float | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or ``backend``, e.g. nccl
+    with one GPU per rank); return results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_entry,
-            args=(r, world_size, port, fn, args, dict(env or {}), results, pg_timeout or timeout),
+            args=(r, world_size, port, fn, args, dict(env or {}), results, pg_timeout or timeout, backend),
             daemon=True,
         )
         for r in range(world_size)

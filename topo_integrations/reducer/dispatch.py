@@ -263,13 +263,13 @@ class Dispatcher:
         compare(dict(gathered), step=step)
 
     def close(self) -> None:
-        """Run what is held, wait, stop the thread."""
-        if self._broken is None:
-            self._release(self._take_held(reconcile=True))
-            try:
-                self.drain()
-            except Exception:  # noqa: BLE001 - closing after a failure: nothing left to save
-                pass
+        """Stop the thread after the released items; held items are dropped (their futures fail).
+
+        Never issues a collective: close() may run from a garbage collector (a framework engine's
+        ``__del__``) at a point that differs between ranks."""
+        dropped = self._take_held(reconcile=True)
+        for it in dropped:
+            self._fail(it, CollectiveError(f"topo_align: {it.what} was never issued: the engine was closed"))
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
@@ -408,8 +408,7 @@ class Dispatcher:
                 it.finished = time.perf_counter()
                 it.future.set_result(value)
             else:
-                torch.cuda.set_device(self.device)
-                with torch.cuda.stream(self._stream):
+                with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                     self._stream.wait_event(it.ready)
                     value = it.fn()
                     # A CUDA-aware future: waiters' streams wait for this stream's work so far.
@@ -428,8 +427,22 @@ class Dispatcher:
                 self._pending_items.pop(id(it.future), None)
             it.done.set()
 
+    WAIT_SLACK_S = 10.0
+    """Added to twice ``fallback.timeout_s`` for a wait: the collective's own timeout (the groups
+    carry ``fallback.timeout_s``) should fire first and name the real cause."""
+
+    def _fail(self, it: _Item, exc: BaseException) -> None:
+        it.error = exc
+        it.future.set_exception(exc)
+        if it.reconcile:
+            with self._lock:
+                self._rc_outstanding -= 1
+        with self._lock:
+            self._pending_items.pop(id(it.future), None)
+        it.done.set()
+
     def _wait_item(self, it: _Item) -> None:
-        limit = None if not self.timeout_s else 2 * self.timeout_s + 10
+        limit = None if not self.timeout_s else 2 * self.timeout_s + self.WAIT_SLACK_S
         if not it.done.wait(limit):
             running = self._running
             raise CollectiveError(

@@ -7,7 +7,8 @@ asks the engine everything else:
 * **classes** -- which tensors are SYNC and which LOCAL (``engine.classes``), recomputed from agreed
   importance every ``importance.refresh_interval`` steps, right after a blocking reconciliation, plus
   drift promotions; adapters rebuild their layout in a listener (:meth:`Engine.on_reconfigure`);
-* **wire** -- every collective, with the one error-feedback scheme (``engine.wire``, wire.py);
+* **dispatcher** -- every collective (``engine.reduce(bucket, cls)`` -> Future; dispatch.py), with
+  the one error-feedback scheme (``engine.wire``, wire.py);
 * **importance** -- per-tensor scores the adapter feeds with :meth:`Engine.observe` (fisher) or
   that are computed at refresh (magnitude; hutchinson from a loss closure);
 * **reconciliation** -- every ``local.reconcile_interval`` optimizer steps the LOCAL tensors the
@@ -15,13 +16,11 @@ asks the engine everything else:
   (snapshot now, correction ``x += avg(snapshot) - snapshot`` one step later);
 * **drift**, **adaptive** levels, **state** (``state_dict``) and **stats**.
 
-Ordering rule (the dual-priority pipeline, docs/reducer.md): every communicator is driven by one
-thread. SYNC collectives use ``groups.intra`` / ``groups.inter`` from the SYNC worker (or the caller's
-thread when no worker runs); LOCAL gradient collectives and reconciliation use ``groups.intra_low`` /
-``groups.inter_low`` from the LOCAL worker only (:meth:`Engine.submit` / :meth:`Engine.run`), which is
-FIFO, so they reach every rank's communicator in the same order; control scalars use the DP group from
-the caller's thread. Two threads never issue on one communicator, so no rank-dependent interleaving
-(which deadlocks NCCL) can occur.
+Ordering rule (docs/reducer.md, "One schedule"): every collective of the engine goes through its
+:class:`~topo_integrations.reducer.dispatch.Dispatcher`, released at positions fixed by the program
+(SYNC buckets, then LOCAL ones, then reconciliation chunks; control at its place) and issued from one
+thread, so every rank issues the same sequence on every communicator; ``monitor.check_collectives``
+checks it at every step.
 """
 
 from __future__ import annotations
@@ -112,6 +111,10 @@ class Engine(ReconcileMixin):
         """The adapter's reconcile source of the latest step (used by adaptive level changes)."""
         self.adaptive = None
         self._configure_dispatch()
+        from .health import start_check
+
+        # Every adapter builds an engine: the start-of-run check runs once per engine, in the schedule.
+        self.call(lambda: start_check(self.groups), "start-of-run check")
 
     def _configure_dispatch(self) -> None:
         self.dispatcher.configure(mode=self.mode, sync_dtype=self.sync_dtype, local_dtype=self.local_dtype)
@@ -406,8 +409,18 @@ class Engine(ReconcileMixin):
             "sync_fraction": self.sync_fraction(), "intra_size": self.groups.intra_size,
             "inter_size": self.groups.inter_size, "max_staleness": self.max_staleness,
             "drift": self.drift.as_dict(),
+            "schedule": self.schedule_summary(),
             "adaptive_level": None if self.adaptive is None else self.adaptive.level,
         })
+        return out
+
+    def schedule_summary(self) -> dict:
+        """Mean time from the last SYNC submission to the last SYNC completion (the SYNC tail) over
+        the steps with an asynchronous reconciliation outstanding and over those without (CPU)."""
+        out = {}
+        for key, flag in (("with_reconcile", True), ("without_reconcile", False)):
+            xs = [r["sync_tail_s"] for r in self.dispatcher.schedule if r["reconcile_in_flight"] is flag]
+            out[key] = {"steps": len(xs), "mean_sync_tail_s": sum(xs) / len(xs) if xs else None}
         return out
 
     def enable_adaptive(self) -> None:
@@ -417,5 +430,6 @@ class Engine(ReconcileMixin):
         self.adaptive = AdaptiveController(self, levels=self.levels)
 
     def close(self) -> None:
-        """Run what is held, wait, stop the dispatcher's thread."""
+        """Stop the dispatcher's thread. Issues no collective (frameworks close from ``__del__``): a
+        held asynchronous average is dropped, so call ``reconcile()`` first if the replicas must agree."""
         self.dispatcher.close()

@@ -13,7 +13,7 @@ Each class of traffic gets its own communicators (``intra``/``inter`` for SYNC, 
 ``inter_low`` for LOCAL and reconciliation; likewise the leaf and spine rails of a 3-level plan):
 the two classes then progress concurrently and a collective of one class never queues behind the
 other. On NCCL the SYNC communicators use high-priority streams (`group_options`). The ordering
-rule that keeps this deadlock-free is in docs/reducer.md (dual-priority pipeline).
+rule that keeps this deadlock-free is in docs/reducer.md ("One schedule").
 """
 
 from __future__ import annotations

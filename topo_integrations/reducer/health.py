@@ -22,7 +22,11 @@ import torch.distributed as dist
 from .collectives import run
 from .groups import ReducerGroups
 
-__all__ = ["ProbeResult", "probe_groups", "tier_gbps"]
+__all__ = ["ProbeResult", "probe_groups", "tier_gbps", "start_check", "CHECK_KINDS"]
+
+CHECK_KINDS = ("dp_group", "intra", "inter", "intra_low", "inter_low", "leaf_rail", "spine_rail",
+               "leaf_rail_low", "spine_rail_low")
+"""The communicators the start-of-run check touches, in this order on every rank."""
 
 # kind -> which ReducerGroups attribute, which tier of the plan it runs on
 _KINDS = (("intra", "intra_ranks"), ("inter", "inter_ranks"))
@@ -55,13 +59,43 @@ class ProbeResult:
         return list(by.values())
 
 
+def start_check(groups: ReducerGroups) -> None:
+    """The start-of-run check every adapter runs (through its engine): one all-reduce of a single
+    element on every communicator of the engine, on the communication device, in ``CHECK_KINDS``
+    order. It fails fast (within ``fallback.timeout_s``, naming the tier, group and ranks) when a
+    peer or a link is missing, catches a membership mismatch (the sum must equal the group size),
+    and creates the communicators before the first step (NCCL and gloo connect lazily)."""
+    dev = groups.device or torch.device("cpu")
+    for kind in CHECK_KINDS:
+        group = getattr(groups, kind, None)
+        if group is None and kind != "dp_group":
+            continue
+        size = groups.dp_size if kind == "dp_group" else dist.get_world_size(group)
+        if size < 2:
+            continue
+        t = torch.ones(1, device=dev)
+        tier = "dp" if kind == "dp_group" else ("intra" if kind.startswith("intra") else "inter")
+        run(f"all_reduce(start-of-run check, {kind})", tier, group if kind != "dp_group" else groups.dp_group,
+            groups, 4, None, lambda t=t, g=(groups.dp_group if kind == "dp_group" else group):
+            dist.all_reduce(t, group=g), like=t)
+        if int(t.item()) != size:
+            raise RuntimeError(f"topo_align: start-of-run check on the {groups.describe(group)}: the all-reduce "
+                               f"counted {int(t.item())} members, expected {size} (ranks disagree on the groups)")
+
+
 def _time_all_reduce(t: torch.Tensor, group, groups: ReducerGroups, what: str, iters: int) -> float:
-    """Median seconds of ``iters`` all-reduces of ``t`` (after one warm-up), error-wrapped."""
-    run(f"all_reduce({what} warm-up)", "control", group, groups, 0, None, lambda: dist.all_reduce(t, group=group))
+    """Median seconds of ``iters`` all-reduces of ``t`` (after one warm-up), error-wrapped, each
+    timed to completion (on CUDA: after synchronising the stream that ran it)."""
+    def once(label):
+        run(label, "control", group, groups, 0, None, lambda: dist.all_reduce(t, group=group), like=t)
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+
+    once(f"all_reduce({what} warm-up)")
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        run(f"all_reduce({what})", "control", group, groups, 0, None, lambda: dist.all_reduce(t, group=group))
+        once(f"all_reduce({what})")
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
