@@ -92,7 +92,7 @@ def test_snapshot_covers_design_block():
               "local.reconcile_interval", "local.async_reconcile", "communication.inter_dtype", "fallback.timeout_s",
               "adaptive.check_interval", "monitor.log_interval"):
         assert k in keys
-    assert set(current()["cli"]["commands"]) == {"show", "plan", "hostfile", "schema", "doctor"}
+    assert set(current()["cli"]["commands"]) == {"show", "plan", "hostfile", "schema", "doctor", "capture"}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The ``topo-align`` command (docs/cli.md).
 
-    topo-align show SOURCE... [--json] [--plot FILE.png]
+    topo-align show [SOURCE...] [--json] [--plot FILE.png]   (no SOURCE: this node, as `auto` reads it)
+    topo-align capture DIR
     topo-align plan SOURCE... [--json] [--group-by island|leaf] [--min-tier-ratio R] [--middle-level]
     topo-align hostfile SOURCE... [--slots N] [-o FILE]
     topo-align schema
@@ -22,7 +23,7 @@ from typing import Any, NoReturn, Sequence
 
 __all__ = ["main", "build_parser", "CORE_COMMANDS", "OPTIONAL_COMMANDS"]
 
-CORE_COMMANDS = ("show", "plan", "hostfile", "schema", "doctor")
+CORE_COMMANDS = ("show", "plan", "hostfile", "schema", "doctor", "capture")
 # Subcommands other parts provide: module exposing add_arguments(parser) and run(args) -> int.
 OPTIONAL_COMMANDS = {
     "simulate": ("topo_integrations.sim.cli", "cost-model simulation of a topology (topo_integrations.sim)"),
@@ -42,8 +43,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_source_opts(p: argparse.ArgumentParser, *, required: bool = True) -> None:
     p.add_argument("sources", nargs="+" if required else "*", metavar="SOURCE",
-                   help="KIND:PATH with KIND in file, slurm, hostfile, nvidia-smi, nccl-xml, sysfs-ib "
-                        "(slurm: topology.conf[,NODELIST]); several combine")
+                   help="KIND:PATH with KIND in file, slurm, hostfile, nvidia-smi, nccl-xml, sysfs-ib, capture "
+                        "(slurm: topology.conf[,NODELIST]; capture: DIR[,DIR...]); several combine")
     p.add_argument("--nodes", default=None, metavar="N|HOSTLIST",
                    help="replicate a single-node source (nvidia-smi, nccl-xml) over N hosts or a hostlist")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
@@ -68,8 +69,8 @@ def build_parser(load_optional: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("show", help="print a topology (table, --json, or --plot FILE.png)")
-    _add_source_opts(p)
+    p = sub.add_parser("show", help="print a topology (table, --json, or --plot FILE.png); no SOURCE: this node")
+    _add_source_opts(p, required=False)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--plot", metavar="FILE.png", default=None, help="draw hosts, islands and leaves, coloured by intra group"
@@ -87,6 +88,10 @@ def build_parser(load_optional: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, metavar="FILE", help="write here instead of stdout")
 
     sub.add_parser("schema", help="print the JSON Schema of the \"topo_align\" config block")
+
+    p = sub.add_parser("capture", help="write this node's facts (sysfs, nvidia-smi/rocm-smi, Slurm) into DIR "
+                                       "for a bug report or a replay (TOPO_ALIGN_SYSROOT=DIR)")
+    p.add_argument("dir", metavar="DIR", help="a new (or empty) directory")
 
     p = sub.add_parser("doctor", help="check NCCL/UCX settings, IB ports and whether the tiers differ enough")
     _add_source_opts(p, required=False)
@@ -142,6 +147,14 @@ def _import_optional(name: str) -> Any:
 def _load(args: argparse.Namespace):
     from .topology.sources import load_sources
 
+    if not args.sources:  # `show` alone: this node, read as `auto` reads it (TOPO_ALIGN_SYSROOT replays one)
+        from .topology.capture import topology_of_nodes
+        from .topology.machine import Machine
+
+        if args.nodes is not None:
+            raise UsageError("--nodes replicates a SOURCE; give one (or none to show this node)")
+        return topology_of_nodes([Machine.from_env()], gpus_per_node=args.gpus_per_node, name="this node",
+                                 source="auto")
     opts: dict[str, Any] = {}
     if args.nodes is not None:
         opts["nodes"] = args.nodes
@@ -201,20 +214,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
         leaves.append({"leaf": lname, "pod": topo.ranks[ranks[0]].pod, "hosts": compress_hostlist(hosts),
                        "n_hosts": len(hosts), "ranks": len(ranks)})
     if args.json:
-        print(json.dumps({"topology": summary, "leaves": leaves, "plot": args.plot, "plan_error": plan_note},
-                         indent=2, sort_keys=True))
+        from .topology.report import host_rows
+
+        print(json.dumps({"topology": summary, "leaves": leaves, "hosts": host_rows(topo)[:1000], "plot": args.plot,
+                          "plan_error": plan_note}, indent=2, sort_keys=True))
         return 0
     from rich.table import Table
 
+    from .topology.report import format_topology
+
     con = _console()
-    t = Table(title=f"{topo.name}: {topo.world_size} ranks, {summary['hosts']} hosts, {summary['islands']} islands "
-                    f"(sizes {summary['island_sizes']}), {summary['leaves']} leaves, {summary['pods']} pods")
-    for col in ("tier", "GB/s per GPU", "latency us", "oversub", "effective GB/s", "present"):
-        t.add_column(col)
-    for name, tier in topo.tiers.items():
-        t.add_row(name, f"{tier.bandwidth_gbps:g}", f"{tier.latency_us:g}", f"{tier.oversubscription:g}",
-                  f"{tier.effective_gbps:g}", "yes" if name in summary["tiers_present"] else "")
-    con.print(t)
+    print(format_topology(topo), flush=True)  # plain text: one line per host, never wrapped
     lt = Table(title="leaves")
     for col in ("leaf", "pod", "hosts", "n hosts", "ranks"):
         lt.add_column(col)
@@ -277,6 +287,18 @@ def _cmd_hostfile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_capture(args: argparse.Namespace) -> int:
+    from .topology.capture import capture_node
+    from .topology.machine import Machine
+
+    facts = capture_node(args.dir, Machine.from_env())
+    print(f"captured {facts.host}: {facts.device_count} GPU(s) ({facts.islands_from}), {len(facts.nics)} NIC port(s) "
+          f"-> {args.dir} (replay: TOPO_ALIGN_SYSROOT={args.dir} or `topo-align show capture:{args.dir}`)")
+    for m in facts.missing:
+        print(f"not found: {m}")
+    return 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from .config import TopoAlignConfig
 
@@ -330,6 +352,7 @@ _COMMANDS = {
     "hostfile": _cmd_hostfile,
     "schema": _cmd_schema,
     "doctor": _cmd_doctor,
+    "capture": _cmd_capture,
 }
 
 

@@ -59,9 +59,10 @@ class _Section(BaseModel):
 
 class TopologyConfig(_Section):
     source: SourceKind = "auto"
-    """Where the topology comes from: `auto` (gathered hostnames, then islands = hosts), `file` (a JSON
-    topology file, see docs/topology-format.md), or a source kind: `nvidia-smi`, `nccl-xml`, `slurm`,
-    `hostfile`, `hostnames`."""
+    """Where the topology comes from: `auto` (every rank reports its node: host, GPUs and NVLink islands
+    from NVML / nvidia-smi / rocm-smi, NIC rates from /sys, Slurm switches; docs/topology-format.md),
+    `file` (a JSON topology file), or a source kind: `nvidia-smi`, `nccl-xml`, `slurm`, `hostfile`,
+    `hostnames` (host names only, default tier speeds)."""
 
     file: str | None = None
     """Path of the topology source to read (required for every source except `auto` and `hostnames`).
@@ -79,8 +80,19 @@ class TopologyConfig(_Section):
     """Add the leaf level between island and spine (3-level hierarchy: island, rail within a leaf,
     rail across leaves)."""
 
+    probe: bool = False
+    """With `source: auto`, time an all-reduce inside the groups of every tier at start-up (median of
+    5, bus bandwidth as nccl-tests) and plan on the measured numbers instead of the derived ones
+    (origin `measured`). Costs a few seconds of start-up; every adapter discovers through the same
+    path, so it applies to all of them."""
+
     @model_validator(mode="after")
     def _file_needed(self) -> TopologyConfig:
+        if self.probe and self.source != "auto":
+            raise ValueError(
+                f"topology.probe = true needs topology.source 'auto' (got {self.source!r}): the probe measures "
+                "the discovered tiers; a file or source states its own bandwidths"
+            )
         if self.source not in ("auto", "hostnames") and not self.file:
             raise ValueError(
                 f"topology.file is required when topology.source is {self.source!r}; "

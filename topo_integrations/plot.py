@@ -1,10 +1,12 @@
 """`topo-align show --plot FILE.png`: hosts as boxes grouped by leaf, ranks as dots coloured by the
-intra group of the plan (matplotlib, Agg backend; no display needed)."""
+intra group of the plan, each host labelled with its GPUs and NICs when known, and the tiers in use
+with their bandwidth and origin under the title (matplotlib, Agg backend; no display needed)."""
 
 from __future__ import annotations
 
 from .topology.model import Topology, TopologyError
 from .topology.planner import Plan
+from .topology.report import tier_rows
 
 __all__ = ["plot_topology", "MAX_PLOT_RANKS"]
 
@@ -37,6 +39,8 @@ def plot_topology(topo: Topology, plan: Plan | None, path: str) -> None:
     fig_h = min(1.5 + len(leaves) * (0.3 + 0.08 * max_gpus), 60)
     fig, ax = plt.subplots(figsize=(fig_w, fig_h))
     hosts = topo.hosts
+    labels = {f.host: f"{f.host}\n{f.device_count} GPU\n" + "+".join(
+        f"{n.rate_gbit:g}G" for n in f.fast_nics()) for f in topo.nodes}
     xs: list[float] = []
     ys: list[float] = []
     colours: list = []
@@ -49,6 +53,8 @@ def plot_topology(topo: Topology, plan: Plan | None, path: str) -> None:
             ax.add_patch(
                 Rectangle((hi - 0.4, y0 - max_gpus - 0.2), 0.8, max_gpus + 0.4, fill=False, edgecolor="black", lw=0.5)
             )
+            if h in labels and max_hosts <= 16:
+                ax.text(hi, y0 - max_gpus - 0.6, labels[h], ha="center", va="top", fontsize=5)
             for r in hosts[h]:
                 p = topo.ranks[r]
                 xs.append(hi)
@@ -62,7 +68,9 @@ def plot_topology(topo: Topology, plan: Plan | None, path: str) -> None:
         kind = f"{len(groups)} islands (unequal: no plan)"
     else:
         kind = f"{len(plan.intra_groups)} intra groups ({plan.group_by})" if plan.hierarchical else "flat plan"
-    ax.set_title(f"{topo.name}: {topo.world_size} ranks; colour = {kind}", fontsize=9)
+    tiers = ", ".join(f"{t['tier']} {t['effective_gbps']:.4g} GB/s ({t['origin']})" for t in tier_rows(topo)
+                      if t["present"])
+    ax.set_title(f"{topo.name}: {topo.world_size} ranks; colour = {kind}\n{tiers or 'one rank'}", fontsize=9)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=80)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..config import TopoAlignConfig
 from ..topology import Plan, PlanError, Topology, TopologyError, plan_groups
+from ..topology.machine import HOSTNAME_ENV
 from ..topology.model import DEFAULT_TIERS, RankPlace
 from .collectives import bounded
 
@@ -38,8 +39,6 @@ __all__ = ["ReducerGroups", "SYNC_KINDS", "group_options",
 
 log = logging.getLogger("topo_align")
 
-HOSTNAME_ENV = "TOPO_ALIGN_HOSTNAME"
-"""Overrides `socket.gethostname()` for the gathered-hostnames source (tests fake several nodes)."""
 
 
 @dataclass
@@ -340,7 +339,7 @@ def gather_hostnames_topology(hosts: list[str], *, name: str = "gathered-hostnam
 
 def _load_topology(cfg: TopoAlignConfig, hosts: list[str] | None, dp_size: int) -> Topology:
     kind = cfg.topology.source
-    if kind in ("auto", "hostnames"):
+    if kind == "hostnames":
         return gather_hostnames_topology(hosts or [])
     if kind == "file":
         from ..topology import load_topology_file
@@ -367,7 +366,9 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
     """Topology per ``cfg.topology``, planned on the first DP rank and broadcast to the group.
 
     Phases:
-      1. (`auto`/`hostnames` only) `all_gather_object` of each rank's hostname over the DP group
+      0. `auto`: reducer/discover.py gathers every rank's node facts (bounded by fallback.timeout_s),
+         probes the tiers when `topology.probe`, plans on the first DP rank; then phase 3;
+      1. (`hostnames` only) `all_gather_object` of each rank's hostname over the DP group
          (``$TOPO_ALIGN_HOSTNAME`` overrides it);
       2. the first DP rank loads the topology (file / source) and plans it; any error is caught;
       3. `broadcast_object_list` of the plan (or the error) over the DP group; every rank returns
@@ -380,8 +381,17 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
     dp_ranks = list(dp_ranks) if dp_ranks is not None else list(range(world))
     if dp_group is None and dp_ranks != list(range(world)):
         raise ValueError(f"topo_align: dp_ranks = {dp_ranks!r} is not the whole world; pass dp_group too")
+    if cfg.topology.source == "auto":  # reducer/discover.py: node facts, optional probe, plan
+        from .discover import discover_auto
+
+        result, src = discover_auto(cfg, dp_ranks, dp_group)
+        if isinstance(result, tuple):
+            payload = [result]
+            dist.broadcast_object_list(payload, src=src, group=dp_group)
+            return _unwrap(payload[0])
+        return broadcast_plan(result, dp_group, src=src)
     hosts = None
-    if cfg.topology.source in ("auto", "hostnames"):
+    if cfg.topology.source == "hostnames":
         gathered = [None] * len(dp_ranks)
         dist.all_gather_object(gathered, _hostname(), group=dp_group)
         # all_gather orders by group rank (ascending global rank); the plan indexes DP positions

@@ -116,6 +116,8 @@ def topology_from_dict(data: Any, *, source: str = "file") -> Topology:
             _num(spec.get("bandwidth_gbps", base.bandwidth_gbps), f"tiers.{tname}.bandwidth_gbps", source, 1e-9, 1e9),
             _num(spec.get("latency_us", base.latency_us), f"tiers.{tname}.latency_us", source, 0.0, 1e9),
             _num(spec.get("oversubscription", 1.0), f"tiers.{tname}.oversubscription", source, 1.0, 1e6),
+            origin="file" if "bandwidth_gbps" in spec else "default",
+            detail=source,
         )
 
     leaves = data.get("leaves")

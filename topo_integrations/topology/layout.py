@@ -87,7 +87,9 @@ class NodeLayout:
 
 def island_tier_from_links(links_per_gpu: int, *, latency_us: float = 2.0) -> Tier:
     """Island tier estimated from the NVLinks each GPU has inside its island."""
-    return Tier("island", max(links_per_gpu, 1) * NVLINK_GBPS_PER_LINK * NVLINK_EFFICIENCY, latency_us)
+    n = max(links_per_gpu, 1)
+    return Tier("island", n * NVLINK_GBPS_PER_LINK * NVLINK_EFFICIENCY, latency_us, origin="nvlink",
+                detail=f"{n} NVLink(s) x {NVLINK_GBPS_PER_LINK:g} GB/s x {NVLINK_EFFICIENCY:g}")
 
 
 def net_tier_from_rate(rate_gbit: float, nics: int, gpus: int) -> float:
@@ -132,6 +134,7 @@ def build_topology(
     if node is not None and node.net_tier_gbps is not None:
         for t in ("leaf", "spine"):
             old = merged[t]
-            merged[t] = Tier(t, node.net_tier_gbps, old.latency_us, old.oversubscription)
+            merged[t] = Tier(t, node.net_tier_gbps, old.latency_us, old.oversubscription, origin="nic-rate",
+                             detail=f"NICs of {node.source}")
     merged.update(tiers or {})
     return Topology(tuple(places), merged, name=name, source=source)

@@ -9,22 +9,33 @@ two ranks first share:
     leaf    -- different hosts under one leaf switch
     spine   -- different leaves (through the spine, possibly oversubscribed)
 
-Bandwidths are GB/s per GPU (bus bandwidth a ring on that tier achieves), latencies in us.
+Bandwidths are GB/s per GPU (bus bandwidth a ring on that tier achieves), latencies in us. Every
+tier says where its number came from (`Tier.origin`, one of ORIGINS): ``measured`` (the probe),
+``nic-rate`` (NIC line rates), ``nvlink`` (NVLink counts), ``file`` (a topology file) or ``default``
+(nothing was found: DEFAULT_TIERS).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
 
-__all__ = ["TopologyError", "RankPlace", "Tier", "Topology", "TIER_NAMES", "DEFAULT_TIERS"]
+__all__ = ["TopologyError", "TopologyTimeout", "RankPlace", "Tier", "Topology", "TIER_NAMES", "DEFAULT_TIERS",
+           "ORIGINS"]
 
 TIER_NAMES: tuple[str, ...] = ("island", "host", "leaf", "spine")
 
 
+ORIGINS: tuple[str, ...] = ("measured", "nic-rate", "nvlink", "file", "default")
+
+
 class TopologyError(ValueError):
     """A topology source or model that cannot be used; the message says what, where and why."""
+
+
+class TopologyTimeout(TopologyError, TimeoutError):
+    """Discovery did not complete in time (a rank did not answer); the message names the ranks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +49,10 @@ class Tier:
     """Per-message latency (alpha) on this tier, microseconds."""
     oversubscription: float = 1.0
     """Uplink oversubscription into this tier (2.0 means 2:1); effective bandwidth is divided by it."""
+    origin: str = field(default="default", compare=False)
+    """Where `bandwidth_gbps` came from: one of ORIGINS."""
+    detail: str = field(default="", compare=False)
+    """What decided the number, for the table and the log (e.g. ``slowest host b: 1 x 100 Gb/s``)."""
 
     @property
     def effective_gbps(self) -> float:
@@ -85,6 +100,11 @@ class Topology:
     gpu: str | None = None
     """The GPU kind, e.g. ``"A100"`` (topology files' optional ``"gpu"`` key); the cost model takes
     its default peak FLOP/s from it (docs/costmodel.md). None when the source does not say."""
+    nodes: tuple[Any, ...] = field(default=(), compare=False)
+    """Per-host facts (`topology.facts.NodeFacts`, one per host in rank order) when the topology was
+    discovered or replayed; empty for the other sources."""
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+    """Facts that were missing and the default used instead (one line each, logged once)."""
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -208,6 +228,8 @@ class Topology:
             "pods": len(self.pods),
             "tiers_present": self.tiers_present(),
             "tiers": {k: v.to_json() for k, v in self.tiers.items()},
+            "tier_origins": {k: {"origin": v.origin, "detail": v.detail} for k, v in self.tiers.items()},
+            "warnings": list(self.warnings),
         }
 
     # -- construction ------------------------------------------------------------------------------
@@ -246,4 +268,4 @@ class Topology:
     def with_tiers(self, **tiers: Tier) -> Topology:
         merged = dict(self.tiers)
         merged.update(tiers)
-        return Topology(self.ranks, merged, name=self.name, source=self.source, gpu=self.gpu)
+        return replace(self, tiers=merged)

@@ -45,6 +45,9 @@ class Plan:
     intra_bandwidth_gbps: float
     inter_bandwidth_gbps: float
     tier_ratio: float
+    intra_origin: str = "default"
+    """Where the intra tier's bandwidth came from (`Tier.origin`: measured, nic-rate, nvlink, file, default)."""
+    inter_origin: str = "default"
     leaf_groups: Groups = ()
     leaf_rails: Groups = ()
     """3-level: inside each leaf, the i-th rank of every island (empty when not applicable)."""
@@ -182,6 +185,7 @@ def plan_groups(
     intra_tier, intra_bw = _slowest(topo, inside)
     inter_tier, inter_bw = _slowest(topo, outside)
     ratio = intra_bw / inter_bw if inter_bw > 0 else float("inf")
+    intra_o, inter_o = topo.tiers[intra_tier].origin, topo.tiers[inter_tier].origin
 
     # 3. Decide whether grouping pays off.
     reason = ""
@@ -191,13 +195,14 @@ def plan_groups(
         reason = (f"every {group_by} holds one rank: nothing to reduce inside groups"
                   + ("; try group_by 'leaf'" if group_by == "island" and len(leaves) > 1 else ""))
     elif ratio < min_tier_ratio:
-        reason = (f"intra tier '{intra_tier}' ({intra_bw:g} GB/s) and inter tier '{inter_tier}' "
-                  f"({inter_bw:g} GB/s) differ by {ratio:.2f}x < min_tier_ratio {min_tier_ratio:g}")
+        reason = (f"intra tier '{intra_tier}' ({intra_bw:g} GB/s, {intra_o}) and inter tier '{inter_tier}' "
+                  f"({inter_bw:g} GB/s, {inter_o}) differ by {ratio:.2f}x < min_tier_ratio {min_tier_ratio:g}")
     hierarchical = not reason
     if hierarchical:
         _check_equal(intra, _PLURAL[group_by], topo)
         reason = (f"{len(intra_lists)} {_PLURAL[group_by]} of {len(intra_lists[0])} ranks; intra tier '{intra_tier}' "
-                  f"{intra_bw:g} GB/s vs inter tier '{inter_tier}' {inter_bw:g} GB/s ({ratio:.1f}x)")
+                  f"{intra_bw:g} GB/s ({intra_o}) vs inter tier '{inter_tier}' {inter_bw:g} GB/s ({inter_o}) "
+                  f"({ratio:.1f}x)")
         inter = _rails(intra_lists)
     else:
         intra_lists = [list(range(topo.world_size))]
@@ -241,6 +246,8 @@ def plan_groups(
         intra_bandwidth_gbps=intra_bw,
         inter_bandwidth_gbps=inter_bw,
         tier_ratio=ratio,
+        intra_origin=intra_o,
+        inter_origin=inter_o,
         leaf_groups=leaf_groups,
         leaf_rails=leaf_rails,
         spine_rails=spine_rails,

@@ -11,6 +11,8 @@ KINDs and what each gives:
     nvidia-smi  one node's GPUs and NVLink islands (``nvidia-smi topo -m`` text)
     nccl-xml    one node's GPUs, NVLink islands and NIC rates (NCCL topology XML)
     sysfs-ib    leaf/spine bandwidth from the IB port rates (PATH = /sys/class/infiniband or a copy)
+    capture     captured nodes (`topo-align capture DIR`; PATH = DIR[,DIR...], one host each), read
+                as `auto` reads a running job's nodes; combines with nothing
 
 Combine at most one host source (slurm, hostfile) with at most one node source (nvidia-smi,
 nccl-xml) and sysfs-ib; ``file`` combines only with sysfs-ib. A node source alone describes one host
@@ -19,8 +21,10 @@ nccl-xml) and sysfs-ib; ``file`` combines only with sysfs-ib. A node source alon
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable
 
+from .capture import load_captures
 from .file_source import load_topology_file
 from .hostfile import load_hostfile
 from .hostlist import expand_hostlist
@@ -33,7 +37,7 @@ from .sysfs_ib import ib_net_gbps, read_ib_ports
 
 __all__ = ["KINDS", "HOST_KINDS", "NODE_KINDS", "parse_spec", "load_source", "load_sources", "replicate_hosts"]
 
-KINDS: tuple[str, ...] = ("file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "sysfs-ib")
+KINDS: tuple[str, ...] = ("file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "sysfs-ib", "capture")
 HOST_KINDS = ("slurm", "hostfile")
 NODE_KINDS = ("nvidia-smi", "nccl-xml")
 _OPTS = {"nodes", "gpus_per_node", "name"}
@@ -108,6 +112,13 @@ def _combine(parts: list[tuple[str, str]], **opts: Any) -> Topology:
     nodes = opts.get("nodes")
     name = opts.get("name")
 
+    if "capture" in by_kind:
+        if len(by_kind) > 1:
+            raise TopologyError(f"{label}: capture: describes whole nodes; give it alone")
+        if nodes is not None:
+            raise TopologyError(f"{label}: nodes= replicates a node source; capture: lists its nodes itself")
+        dirs = [d for d in by_kind["capture"].split(",") if d]
+        return load_captures(dirs, gpus_per_node=gpn, name=name)
     if "file" in by_kind:
         if hosts_k or node_k:
             raise TopologyError(f"{label}: file: is a complete topology; combine it only with sysfs-ib")
@@ -157,9 +168,10 @@ def _apply_ib(topo: Topology, root: str, gpus: int) -> Topology:
             f"sysfs-ib:{root}: no InfiniBand port is ACTIVE and LinkUp ({len(ports)} ports found); "
             "expected /sys/class/infiniband/<dev>/ports/<p>/{state,phys_state,rate,link_layer}"
         )
-    new = {t: Tier(t, gbps, topo.tiers[t].latency_us, topo.tiers[t].oversubscription) for t in ("leaf", "spine")}
+    new = {t: Tier(t, gbps, topo.tiers[t].latency_us, topo.tiers[t].oversubscription, origin="nic-rate",
+                   detail=f"IB ports under {root}") for t in ("leaf", "spine")}
     return topo.with_tiers(**new)
 
 
 def _renamed(topo: Topology, name: str | None, label: str) -> Topology:
-    return Topology(topo.ranks, topo.tiers, name=name or topo.name, source=label, gpu=topo.gpu)
+    return replace(topo, name=name or topo.name, source=label)

@@ -2,18 +2,19 @@
 
 File formats (kernel ``drivers/infiniband/core/sysfs.c``): ``state`` = ``4: ACTIVE``, ``phys_state`` =
 ``5: LinkUp``, ``rate`` = ``200 Gb/sec (4X HDR)``, ``link_layer`` = ``InfiniBand`` or ``Ethernet``.
-Works without infiniband-diags and inside containers. The root is a parameter so tests (and
-``topo-align doctor --sysfs-root``) can point at a copy.
+Works without infiniband-diags and inside containers. Reads go through `machine.Machine` (the seam
+of every machine read); the root is a parameter so tests (and ``topo-align doctor --sysfs-root``)
+can point at a copy.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections import Counter
 from dataclasses import dataclass
 
 from .layout import net_tier_from_rate
+from .machine import Machine
 from .model import TopologyError
 
 __all__ = ["IBPort", "read_ib_ports", "ib_net_gbps", "DEFAULT_SYSFS_ROOT"]
@@ -44,47 +45,45 @@ class IBPort:
                 "rate_gbit": self.rate_gbit, "link_layer": self.link_layer, "healthy": self.healthy}
 
 
-def _read(path: str) -> str:
+def _read(machine: Machine, path: str) -> str:
     try:
-        with open(path, "rb") as fh:
-            return fh.read(4096).decode("utf-8", "replace").strip()
-    except OSError as exc:
-        raise TopologyError(f"sysfs-ib:{path}: cannot read ({exc.strerror or exc})") from None
+        return machine.read(path) or ""
+    except TopologyError as exc:
+        raise TopologyError(f"sysfs-ib:{exc}") from None
 
 
-def _state(path: str) -> str:
-    text = _read(path)
+def _state(machine: Machine, path: str) -> str:
+    text = _read(machine, path)
     m = _STATE.match(text)
     if not m:
-        raise TopologyError(f"sysfs-ib:{path}: {text[:40]!r}; expected '<n>: <STATE>' such as '4: ACTIVE'")
+        raise TopologyError(
+            f"sysfs-ib:{machine.path(path)}: {text[:40]!r}; expected '<n>: <STATE>' such as '4: ACTIVE'")
     return m.group(2)
 
 
-def read_ib_ports(root: str = DEFAULT_SYSFS_ROOT) -> list[IBPort]:
-    """Every port under ``root``; an absent root means no IB devices (empty list)."""
-    if not os.path.isdir(root):
-        return []
+def read_ib_ports(root: str = DEFAULT_SYSFS_ROOT, machine: Machine | None = None) -> list[IBPort]:
+    """Every port under ``root`` (read through ``machine``, live by default); an absent root means
+    no IB devices (empty list)."""
+    machine = machine or Machine(None)
     ports: list[IBPort] = []
-    for dev in sorted(os.listdir(root)):
-        pdir = os.path.join(root, dev, "ports")
-        if not os.path.isdir(pdir):
-            continue
-        for port in sorted(os.listdir(pdir), key=lambda p: (len(p), p)):
-            base = os.path.join(pdir, port)
-            if not os.path.isdir(base):
+    for dev in machine.listdir(root):
+        pdir = f"{root}/{dev}/ports"
+        for port in sorted(machine.listdir(pdir), key=lambda p: (len(p), p)):
+            base = f"{pdir}/{port}"
+            if not machine.isdir(base):
                 continue
-            rate_text = _read(os.path.join(base, "rate"))
+            rate_text = _read(machine, f"{base}/rate")
             m = _RATE.match(rate_text)
             if not m:
                 raise TopologyError(
-                    f"sysfs-ib:{os.path.join(base, 'rate')}: {rate_text[:40]!r}; expected '<n> Gb/sec (...)'"
+                    f"sysfs-ib:{machine.path(base + '/rate')}: {rate_text[:40]!r}; expected '<n> Gb/sec (...)'"
                 )
-            ll_path = os.path.join(base, "link_layer")
-            link_layer = _read(ll_path) if os.path.exists(ll_path) else "InfiniBand"
-            ports.append(IBPort(dev, port, _state(os.path.join(base, "state")),
-                                _state(os.path.join(base, "phys_state")), float(m.group(1)), link_layer))
+            ll_path = f"{base}/link_layer"
+            link_layer = _read(machine, ll_path) if machine.exists(ll_path) else "InfiniBand"
+            ports.append(IBPort(dev, port, _state(machine, f"{base}/state"),
+                                _state(machine, f"{base}/phys_state"), float(m.group(1)), link_layer))
             if len(ports) > MAX_PORTS:
-                raise TopologyError(f"sysfs-ib:{root}: more than {MAX_PORTS} ports")
+                raise TopologyError(f"sysfs-ib:{machine.path(root)}: more than {MAX_PORTS} ports")
     return ports
 
 

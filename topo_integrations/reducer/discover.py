@@ -1,0 +1,235 @@
+"""`topology.source: auto` at run time: gather every rank's node facts, build the topology on the
+first data-parallel rank, optionally measure the tiers (`topology.probe`), plan, broadcast the plan.
+
+The pure parts (facts -> `Topology`, probe groups, the table) are in topology/; this module only
+communicates. Every step is bounded: a rank that does not answer within ``fallback.timeout_s`` ends
+discovery on every other rank with a `TopologyTimeout` naming it, and a rank whose facts cannot be
+read sends its error instead, so every rank raises the same `TopologyError` (never a hang).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import TopoAlignConfig
+from ..topology import PlanError, TopologyError, plan_groups
+from ..topology.discovered import probe_groups, topology_from_facts, with_measured
+from ..topology.facts import NodeFacts, collect_node_facts
+from ..topology.model import Topology, TopologyTimeout
+from ..topology.report import format_topology
+
+__all__ = ["discover_auto", "gather_facts", "probe_tiers", "PROBE_BYTES", "PROBE_ITERS"]
+
+log = logging.getLogger("topo_align")
+
+PROBE_BYTES = {"gloo": 4 << 20, "nccl": 64 << 20}
+"""Bytes of the timed all-reduce per backend (others use the gloo size): large enough that the
+time is set by bandwidth, not latency, on the tier it measures."""
+PROBE_ITERS = 5
+
+
+def _short(ranks) -> str:
+    ranks = list(ranks)
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else ", ".join(map(str, ranks[:4])) + f", ... ({len(ranks)})"
+
+
+def _wait_for_peers(dp_ranks: list[int], timeout_s: float) -> None:
+    """Bounded arrival check before the gather: every rank bumps its own counter in the job's store,
+    then waits until every member of the group has reached the same count (the n-th discovery of
+    this process). Raises `TopologyTimeout` naming the ranks that did not arrive."""
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:  # a torch without it: the gather is then bounded by the group's own timeout
+        return
+    store = get_store()
+    me = dist.get_rank()
+    mine = store.add(f"topo_align/discover/{me}", 1)
+    deadline = time.monotonic() + timeout_s
+    waiting = [r for r in dp_ranks if r != me]
+    while waiting:
+        waiting = [r for r in waiting if store.add(f"topo_align/discover/{r}", 0) < mine]
+        if waiting and time.monotonic() > deadline:
+            raise TopologyTimeout(
+                f"topo_align: discovery: global rank(s) {_short(waiting)} did not answer within "
+                f"{timeout_s:g} s (fallback.timeout_s) while gathering node facts over the data-parallel group "
+                f"(global ranks {_short(dp_ranks)}); this is global rank {me}")
+        if waiting:
+            time.sleep(0.05)
+
+
+def gather_facts(dp_ranks: list[int], dp_group, timeout_s: float) -> list[NodeFacts]:
+    """Every DP rank's node facts, by DP position, on every rank.
+
+    Phases: 1. read this node (errors are kept, not raised, so the others do not wait);
+    2. the bounded arrival check; 3. one `all_gather_object` over the DP group; 4. the first error,
+    if any, is raised on every rank naming its rank and host.
+    """
+    try:
+        lr = os.environ.get("LOCAL_RANK")
+        mine: Any = ("ok", collect_node_facts(local_rank=int(lr) if lr and lr.isdigit() else None).to_json())
+    except TopologyError as exc:
+        mine = ("error", str(exc))
+    _wait_for_peers(dp_ranks, timeout_s)
+    gathered: list[Any] = [None] * len(dp_ranks)
+    dist.all_gather_object(gathered, mine, group=dp_group)
+    by_rank = dict(zip(sorted(dp_ranks), gathered))  # all_gather orders by ascending global rank
+    out = []
+    for r in dp_ranks:
+        kind, body = by_rank[r]
+        if kind == "error":
+            raise TopologyError(f"topo_align: discovery: global rank {r} could not read its node: {body}")
+        out.append(NodeFacts.from_json(body, who=f"facts of global rank {r}"))
+    return out
+
+
+def _timed(t: torch.Tensor, group, cuda: bool) -> float:
+    """Seconds of one all-reduce, completion-timed: after `wait()` and, on CUDA, a synchronize of the
+    stream it ran on (wait() makes the current stream wait for the collective's stream)."""
+    t0 = time.perf_counter()
+    work = dist.all_reduce(t, group=group, async_op=True)
+    work.wait()
+    if cuda:
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter() - t0
+
+
+def probe_tiers(groups_by_tier: dict[str, list[list[int]]], timeout_s: float,
+                backend: str) -> dict[str, float]:
+    """Median seconds of PROBE_ITERS all-reduces of PROBE_BYTES in my group of each tier.
+
+    Phases: 1. every rank of the job creates every probe group, tier by tier, in the given order
+    (`new_group` is collective over the world); 2. per tier, the members of each group time a warm-up
+    and PROBE_ITERS all-reduces, a 1-element all-reduce fencing each so the members start together
+    (the groups of a tier run at the same time, sharing NICs as training does); 3. groups destroyed.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    me = dist.get_rank()
+    mine: dict[str, tuple[Any, list[int]]] = {}
+    made = []
+    for tier, groups in groups_by_tier.items():
+        for ranks in groups:
+            pg = dist.new_group(ranks=ranks, timeout=timeout)
+            made.append(pg)
+            if me in ranks:
+                mine[tier] = (pg, ranks)
+    cuda = backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    numel = PROBE_BYTES.get(backend, PROBE_BYTES["gloo"]) // 4
+    out: dict[str, float] = {}
+    try:
+        for tier, (pg, ranks) in mine.items():
+            t0 = time.perf_counter()
+            try:
+                buf, fence = torch.zeros(numel, device=device), torch.zeros(1, device=device)
+                _timed(buf, pg, cuda)
+                times = []
+                for _ in range(PROBE_ITERS):
+                    _timed(fence, pg, cuda)
+                    times.append(_timed(buf, pg, cuda))
+            except Exception as exc:  # noqa: BLE001 - named, with the group and the time waited
+                raise TopologyError(
+                    f"topo_align: topology.probe: all_reduce on the {tier} tier group (global ranks {_short(ranks)}) "
+                    f"failed after {time.perf_counter() - t0:.1f} s (timeout {timeout_s:g} s; this is global rank "
+                    f"{me}): {type(exc).__name__}: {exc}") from exc
+            out[tier] = statistics.median(times)
+    finally:
+        for pg in made:
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # noqa: BLE001 - a group this rank is not in, or already gone
+                pass
+    return out
+
+
+def _measured(groups_by_tier: dict[str, list[list[int]]], seconds: dict[int, dict[str, float]],
+              nbytes: int) -> dict[str, tuple[float, str]]:
+    """Bus bandwidth per tier (as nccl-tests: 2(n-1)/n x bytes / time) of its slowest group; a group
+    is as slow as its slowest member."""
+    out = {}
+    for tier, groups in groups_by_tier.items():
+        best: tuple[float, list[int]] | None = None
+        for ranks in groups:
+            t = max(seconds[r][tier] for r in ranks)
+            n = len(ranks)
+            bw = 2 * (n - 1) / n * nbytes / t / 1e9
+            if best is None or bw < best[0]:
+                best = (bw, ranks)
+        if best is not None:
+            out[tier] = (best[0], f"median of {PROBE_ITERS} all-reduces of {nbytes / 2**20:g} MiB, slowest of "
+                                  f"{len(groups)} group(s): global ranks {_short(best[1])}")
+    return out
+
+
+def _probe(topo: Topology | None, cfg: TopoAlignConfig, dp_ranks: list[int], dp_group, src: int) -> Topology | None:
+    """Phases: 1. the first DP rank sends its probe groups (DP positions -> global ranks) over the DP
+    group; 2. when there are several DP groups, every rank gathers every group's probe groups over the
+    world (each group creates its own; `new_group` needs every rank); 3. `probe_tiers`; 4. the
+    timings gathered to every DP rank; the first applies them."""
+    payload: list[Any] = [None]
+    if dist.get_rank() == src:
+        payload[0] = {t: [[dp_ranks[p] for p in g] for g in gs] for t, gs in probe_groups(topo).items()}
+    dist.broadcast_object_list(payload, src=src, group=dp_group)
+    mine = payload[0]
+    every = {t: sorted(gs) for t, gs in mine.items()}
+    if dp_group is not None and len(dp_ranks) != dist.get_world_size():
+        all_lists: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(all_lists, mine)
+        tiers = sorted({t for d in all_lists for t in d})
+        every = {t: sorted({tuple(g) for d in all_lists for g in d.get(t, [])}) for t in tiers}
+        every = {t: [list(g) for g in gs] for t, gs in every.items()}
+    backend = dist.get_backend(dp_group)
+    secs = probe_tiers(every, cfg.fallback.timeout_s, backend)
+    gathered: list[Any] = [None] * len(dp_ranks)
+    dist.all_gather_object(gathered, secs, group=dp_group)
+    if dist.get_rank() != src:
+        return None
+    seconds = dict(zip(sorted(dp_ranks), gathered))
+    nbytes = PROBE_BYTES.get(backend, PROBE_BYTES["gloo"]) // 4 * 4
+    return with_measured(topo, _measured(mine, seconds, nbytes))
+
+
+def _error(exc: Exception) -> tuple[str, str, str]:
+    kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
+    return ("error", "TopologyError" if kind == "TopologyTimeout" else kind, str(exc))
+
+
+def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[Any, int]:
+    """The `auto` discovery (module docstring) up to the plan: returns ``(plan or error payload, src)``
+    for `groups.broadcast_plan`-style delivery; only the first DP rank holds a plan."""
+    src = dp_ranks[0]
+    facts = gather_facts(dp_ranks, dp_group, cfg.fallback.timeout_s)
+    topo: Topology | None = None
+    failure: Any = None
+    if dist.get_rank() == src:
+        try:
+            topo = topology_from_facts(facts, source="auto")
+        except TopologyError as exc:
+            failure = _error(exc)
+    if cfg.topology.probe:
+        flag: list[Any] = [failure]
+        dist.broadcast_object_list(flag, src=src, group=dp_group)
+        if flag[0] is not None:
+            return flag[0], src
+        topo = _probe(topo, cfg, dp_ranks, dp_group, src)
+    if dist.get_rank() != src:
+        return None, src
+    if failure is not None:
+        return failure, src
+    for w in topo.warnings:
+        log.warning("topo_align: %s", w)
+    log.info("topo_align: discovered topology\n%s", format_topology(topo))
+    try:
+        plan: Any = plan_groups(topo, group_by=cfg.topology.group_by, min_tier_ratio=cfg.topology.min_tier_ratio,
+                                middle_level=cfg.topology.middle_level)
+    except (TopologyError, ValueError) as exc:
+        return _error(exc), src
+    log.info("topo_align: plan: %s -- %s", "hierarchical" if plan.hierarchical else "one flat all-reduce",
+             plan.reason)
+    return plan, src
