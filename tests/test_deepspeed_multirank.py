@@ -595,9 +595,10 @@ def test_async_reconcile_invariants_staleness_and_collectives(world, stage):
     assert rec["max_staleness"] == 1 and rec["reconciles"] == 5
     assert rec["equal_after_forced"]
     assert rec["losses"][-1] < rec["losses"][0]
-    # Nothing bypasses the device-checking layer; LOCAL-class collectives ran on the LOCAL worker.
+    # Nothing bypasses the device-checking layer; LOCAL-class collectives ran on the dispatcher's
+    # thread (one issuing thread, reducer/dispatch.py).
     assert rec["calls"] > 0 and rec["bypass"] == [], rec["bypass"]
-    assert rec["local_threads"] and all(t.startswith("topo_align_local") for t in rec["local_threads"]), rec
+    assert rec["local_threads"] and all(t.startswith("topo_align_dispatch") for t in rec["local_threads"]), rec
 
 
 @pytest.mark.timeout(1000)

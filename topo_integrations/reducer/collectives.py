@@ -93,10 +93,10 @@ def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: R
         out = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         waited = time.perf_counter() - t0
-        timeout = f", timeout {groups.timeout_s:g}s (fallback.timeout_s)" if groups.timeout_s else ""
+        timeout = f", timeout {groups.timeout_s:g}s" if groups.timeout_s else ""
         raise CollectiveError(
-            f"topo_align: {op} on the {tier} tier, {groups.describe(group)}, failed after {waited:.1f}s{timeout} "
-            f"(this is global rank {groups.dp_ranks[groups.position]}): {type(exc).__name__}: {exc}"
+            f"topo_align: {op} on the {groups.describe(group)} failed after {waited:.1f}s{timeout} "
+            f"(this is global rank {groups.dp_ranks[groups.position]}, {tier} tier): {type(exc).__name__}: {exc}"
         ) from exc
     if record is not None:
         if cuda:

@@ -14,9 +14,11 @@ The schedule (docs/reducer.md, "One schedule"):
    Either way the collectives leave in the order they were *released*, one at a time.
 2. **Release points are fixed by the program, never by timing.** SYNC buckets are released when
    submitted; LOCAL buckets are held until the adapter says the step's SYNC buckets are all
-   submitted (:meth:`Dispatcher.sync_done`) or a caller waits for one of them; reconciliation
-   chunks are held until every bucket of the next step is submitted (:meth:`Dispatcher.all_submitted`)
-   or someone needs the average. A release point is a position in the sequence of submissions,
+   submitted (:meth:`Dispatcher.sync_done`) or a caller waits for one of them. An asynchronous
+   reconciliation is cut into chunks: the first ``k`` go at its launch, into the window before the
+   next step's first SYNC bucket (forward), ``k`` agreed over the DP group from measured window and
+   chunk times; the rest is held until every bucket of the next step is submitted
+   (:meth:`Dispatcher.all_submitted`) or someone needs the average. A release point is a position in the sequence of submissions,
    not a time: which buckets fill during backward may differ between ranks (a parameter without
    gradient on one rank), the sequence SYNC..., LOCAL..., reconciliation... does not.
    Submissions come from the training thread in program order, so the released sequence, hence
@@ -108,6 +110,10 @@ class _Item:
     reconcile: bool = False
 
 
+def _ema(old: float | None, x: float, decay: float = 0.7) -> float:
+    return x if old is None else decay * old + (1 - decay) * x
+
+
 class Dispatcher:
     """See the module docstring. ``wire`` holds the groups, the residuals and the statistics."""
 
@@ -138,6 +144,19 @@ class Dispatcher:
         self.schedule: list[dict] = []
         """Per step: ``sync_tail_s`` (last SYNC submission -> last SYNC completion) and
         ``reconcile_in_flight`` (a reconciliation was outstanding when the step's SYNC began)."""
+        self._window_s: float | None = None
+        """EMA of the time from the end of a step to the next step's first SYNC submission."""
+        self._chunk_s: float | None = None
+        """EMA of one reconciliation chunk's time on the comm thread."""
+        self._t_step_end: float | None = None
+        self._rc_launches = 0
+        self.last_window_chunks: tuple[int, int] | None = None
+        """(chunks released into the pre-SYNC window, chunks) of the latest asynchronous reconciliation."""
+        self.reconcile_release = "window"
+        """The rule: ``"window"`` (the chunks that fit before the next first SYNC bucket go at launch,
+        the rest after ``all_submitted``). For the ablation of scripts/sync_priority.py only:
+        ``"held"`` (all after ``all_submitted``) and ``"launch"`` (all at launch, ahead of the next
+        step's buckets)."""
         self._step_sync: list[_Item] = []
         self._step_rc = False
         self._local_open = False
@@ -172,6 +191,8 @@ class Dispatcher:
         if traffic is Traffic.SYNC:
             if not self._step_sync:
                 self._step_rc = self._rc_outstanding > 0
+                if self._t_step_end is not None:  # the window before the step's first SYNC bucket
+                    self._window_s = _ema(self._window_s, item.submitted - self._t_step_end)
             self._step_sync.append(item)
             self._release([item])
         elif self._local_open:
@@ -209,8 +230,12 @@ class Dispatcher:
         return self.wait(item.future)
 
     def submit_reconcile(self, chunks: list[Callable[[], None]], what: str) -> torch.futures.Future:
-        """Hold the chunks of an asynchronous reconciliation until the next ``sync_done``; the
-        future completes with the last chunk (items run in order and fail fast)."""
+        """An asynchronous reconciliation: the future completes with the last chunk (items run in
+        order and fail fast). The first ``k`` chunks go now, into the window before the next step's
+        first SYNC bucket, where no SYNC reduction can be pending; the rest is held until every bucket
+        of the next step is submitted. ``k`` is the number of chunks that fit the window, from the
+        measured window and chunk times agreed over the DP group (one MAX all-reduce of two scalars,
+        at the same position on every rank); 0 at the first reconciliation (nothing measured yet)."""
         items = [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c, reconcile=True)
                  for i, c in enumerate(chunks)]
         if not items:
@@ -219,8 +244,28 @@ class Dispatcher:
             return fut
         with self._lock:
             self._rc_outstanding += len(items)
-        self._held_reconcile.extend(items)
+        if self.reconcile_release == "launch":
+            self._release(items)
+            return items[-1].future
+        k = self._window_chunks() if self._rc_launches > 0 and self.reconcile_release == "window" else 0
+        self._rc_launches += 1
+        self.last_window_chunks = (k, len(items))
+        self._release(items[:k])
+        self._held_reconcile.extend(items[k:])
         return items[-1].future
+
+    def _window_chunks(self) -> int:
+        """Chunks that fit in the pre-SYNC window on every rank: floor(0.8 * min window / max chunk)."""
+        import math
+
+        w = self._window_s if self._window_s is not None else 0.0
+        c = self._chunk_s if self._chunk_s is not None else math.inf
+        vec = torch.tensor([-w, c], dtype=torch.float64, device=self.device)
+        agreed = self.wire.agree(vec, "max").cpu().tolist()
+        window, chunk = -agreed[0], agreed[1]
+        if not (chunk > 0 and math.isfinite(chunk)) or window <= 0:
+            return 0
+        return int(0.8 * window / chunk)
 
     def run_reconcile(self, chunks: list[Callable[[], None]], what: str) -> None:
         """A blocking reconciliation: the chunks go now (after anything held) and are waited for."""
@@ -246,6 +291,7 @@ class Dispatcher:
                 del self.schedule[:-10000]
         self._step_sync = []
         self._local_open = False
+        self._t_step_end = time.perf_counter()
         if self.trace is None:
             return
         self.drain()
@@ -404,8 +450,11 @@ class Dispatcher:
                 raise CollectiveError(f"topo_align: {it.what} not issued: an earlier collective failed "
                                       f"({type(self._broken).__name__}: {self._broken})")
             if self._stream is None:
+                started = time.perf_counter()
                 value = it.fn()
                 it.finished = time.perf_counter()
+                if it.reconcile:
+                    self._chunk_s = _ema(self._chunk_s, it.finished - started)
                 it.future.set_result(value)
             else:
                 with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
