@@ -11,8 +11,8 @@ in ``bucket.buffer()``) are mapped to element ranges per class (SYNC, LOCAL) fro
 classes, and each class present becomes one :class:`~topo_integrations.reducer.dispatch.CommBucket`
 keyed ``ddp<index>/<class>``. The layout is computed on every call: DDP rebuilds its buckets after
 the first iteration (the order gradients became ready), and the engine may change classes at a
-reconciliation; when the layout of an index changes, the error-feedback residuals of that index are
-dropped (they belonged to other elements).
+reconciliation; when the layout of an index changes, the LOCAL error-feedback residuals follow their
+parameters into the new buckets (``_relayout``).
 
 Release points (reducer/dispatch.py) follow DDP's own order, the same on every rank: DDP calls the
 hook for bucket 0, 1, ... in index order. SYNC ranges are released when submitted; on the last bucket
@@ -26,8 +26,8 @@ The optimizer-side calls are GroupedReducer's: ``after_optimizer_step``, ``recon
 no hook inside it) and so does ``find_unused_parameters`` (DDP puts zeros in the bucket).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations as objects
+# (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``).
 import logging
 from typing import Callable
 
@@ -100,6 +100,8 @@ class TopoAlignHookState:
         self.engine.wire.chunk_numel = max(1, int(cfg.communication.bucket_size_mb * 1024 * 1024) // 4)
         self._layouts: dict[int, tuple] = {}
         """DDP bucket index -> (parameter names, class version) of its last call."""
+        self._carry: dict[str, torch.Tensor] = {}
+        """LOCAL residuals of parameters whose DDP bucket was rebuilt, until their new bucket's call."""
         self._sq: dict[str, torch.Tensor] = {}
         """Fisher: squared norms of this step's reduced gradients, folded in at after_optimizer_step."""
         self._optimizer = None
@@ -123,7 +125,7 @@ class TopoAlignHookState:
 
     # ------------------------------------------------------------------ one DDP bucket
 
-    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+    def reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Submit the bucket's classes to the dispatcher; a future of the reduced ``bucket.buffer()``.
 
         Phases: 1. element spans of each parameter and its class -> ranges per class; 2. SYNC ranges
@@ -147,10 +149,8 @@ class TopoAlignHookState:
         if off != buf.numel():
             raise RuntimeError(f"topo_align: DDP bucket {idx} has {buf.numel()} elements, its parameters {off}; "
                                "sparse or padded buckets are not supported")
-        sig = (tuple(names), e.class_version)
-        if self._layouts.get(idx) != sig:
-            e.wire.reset_residuals(f"ddp{idx}/")
-            self._layouts[idx] = sig
+        if self._layouts.get(idx) != (tuple(names), e.class_version):
+            self._relayout(idx, names)
         ranges = merge_spans(spans, (SYNC, LOCAL))
         # Reduced in fp32 (fp64 stays), as GroupedReducer's buckets and Megatron's grad_reduce_in_fp32.
         flat = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
@@ -178,6 +178,43 @@ class TopoAlignHookState:
             return buf
 
         return torch.futures.collect_all(futs).then(done)
+
+    def _local_residual(self, idx: int, names) -> tuple[list[str], torch.Tensor | None]:
+        """The LOCAL names of a layout and the error-feedback residual of its LOCAL payload (None when
+        the LOCAL hop is exact or error feedback is off)."""
+        e = self.engine
+        loc = [n for n in names if e.classes[n] == LOCAL]
+        if not loc:
+            return loc, None
+        return loc, e.wire.residual(f"ddp{idx}/local", sum(e.numels[n] for n in loc), torch.float32, e.local_dtype)
+
+    def _relayout(self, idx: int, names: list[str]) -> None:
+        """DDP's bucket ``idx`` holds other parameters than at its last call (DDP rebuilt its buckets
+        after the first iteration) or the classes changed. The LOCAL residuals are per element, so they
+        follow their parameters into the new layout (GroupedReducer keeps them, and the same numbers
+        need the same residuals); after a class change the engine dropped them all already. The
+        layouts retired here are every earlier one sharing a parameter with the new one (they are
+        rebuilt too, later in this backward); SYNC residuals (a lossy ``sync.dtype``) are per rail
+        shard of a bucket and start again from zero (one rounding step)."""
+        e = self.engine
+        new = set(names)
+        for j, (old, version) in list(self._layouts.items()):
+            if j != idx and not new & set(old):
+                continue
+            del self._layouts[j]
+            if version == e.class_version:
+                loc, r = self._local_residual(j, old)
+                off = 0
+                for n in loc:
+                    if r is not None:
+                        self._carry[n] = r[off:off + e.numels[n]].clone()
+                    off += e.numels[n]
+            e.wire.reset_residuals(f"ddp{j}/")
+        loc, r = self._local_residual(idx, names)
+        if r is not None and any(n in self._carry for n in loc):
+            r.copy_(torch.cat([self._carry.pop(n, None) if n in self._carry else r.new_zeros(e.numels[n])
+                               for n in loc]))
+        self._layouts[idx] = (tuple(names), e.class_version)
 
     # ------------------------------------------------------------------ after the optimizer step
 
@@ -264,6 +301,6 @@ class TopoAlignHookState:
         self.engine.close()
 
 
-def topo_align_hook(state: TopoAlignHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def topo_align_hook(state: TopoAlignHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: ``ddp_model.register_comm_hook(state, topo_align_hook)``."""
     return state.reduce_bucket(bucket)
