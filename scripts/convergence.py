@@ -312,7 +312,7 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
     import torch
     import torch.distributed as dist
 
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     torch.manual_seed(seed)
     model = task.model()

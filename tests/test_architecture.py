@@ -3,14 +3,16 @@
 Every ``import`` and ``from ... import`` in every module counts, at module level or inside a function
 (a lazy import is still a dependency). A part may import only the parts below it:
 
-    config <- topology <- reducer <- deepspeed | megatron <- train <- bench <- cli
+    config <- topology <- reducer <- torch | deepspeed | megatron <- train <- bench <- cli
                        \\- sim, emulate (topology only)
                        doctor, plot (topology)     diagnostics (reducer, doctor, emulate)
 
-Also checked here: frameworks (deepspeed, megatron) are imported only by their adapters and the
-parts above them; no module imports another module's private name; no library module installs a
-warning filter at import; no module is longer than MAX_LINES; comments and docs point to files of
-this repository, never to documents outside it.
+Also checked here: the adapters (torch, deepspeed, megatron) issue no collective of their own and
+import neither reducer.collectives nor reducer.wire (every collective is the engine's); frameworks
+(deepspeed, megatron) are imported only by their adapters and the parts above them; no module
+imports another module's private name; no library module installs a warning filter at import; no
+module is longer than MAX_LINES; comments and docs point to files of this repository, never to
+documents outside it.
 
 Known exceptions are listed with ``TODO(#14)``: modules that other work is rewriting. A stale
 exception fails the test too, so the lists only shrink.
@@ -41,12 +43,13 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"config", "topology"},
     "emulate": {"config", "topology"},
     "reducer": {"config", "topology"},
-    "": {"config", "topology", "reducer"},
+    "": {"config", "topology", "reducer", "torch"},
     "diagnostics": {"config", "topology", "reducer", "doctor", "emulate"},
+    "torch": {"config", "topology", "reducer"},  # GroupedReducer and the DDP comm hook
     "deepspeed": {"config", "topology", "reducer"},
     "megatron": {"config", "topology", "reducer"},
-    "train": {"", "config", "topology", "reducer", "deepspeed", "megatron", "testing"},
-    "bench": {"", "config", "topology", "reducer", "deepspeed", "megatron", "train", "emulate", "testing"},
+    "train": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "testing"},
+    "bench": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "train", "emulate", "testing"},
     "cli": {"", "config", "topology", "doctor", "plot", "diagnostics", "sim", "emulate", "bench"},
 }
 
@@ -107,6 +110,92 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
                 sub = f"{target}.{a.name}"
                 out.append((sub if sub in MODULES else target, node.lineno))
     return out
+
+
+# -- adapters issue no collective of their own ---------------------------------------------------
+
+ADAPTERS = ("torch", "deepspeed", "megatron")
+ENGINE_ONLY = {f"{PKG}.reducer.collectives", f"{PKG}.reducer.wire"}
+"""Modules only the engine imports: an adapter hands buckets to the dispatcher (reducer/dispatch.py)."""
+COLLECTIVES = {
+    "all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "all_gather_coalesced", "broadcast", "broadcast_object_list", "all_to_all", "all_to_all_single", "gather",
+    "gather_object", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "send_object_list", "recv_object_list", "barrier", "monitored_barrier",
+}
+"""torch.distributed calls that communicate. Queries (get_rank, get_world_size, get_process_group_ranks)
+and new_group for a framework's own mpu are seams, not collectives."""
+# (module, call) pairs an adapter may issue itself, each with its reason; a stale entry fails the test.
+KNOWN_ADAPTER_COLLECTIVES: dict[tuple[str, str], str] = {
+    (f"{PKG}.deepspeed.engine", "barrier"):
+        "checkpoint save: every rank's reducer state file is written before DeepSpeed's own save goes on "
+        "(DeepSpeed's checkpoint protocol, not gradient traffic)",
+    (f"{PKG}.deepspeed.selfcheck", "barrier"):
+        "the launcher self-check (python -m topo_integrations.deepspeed --check): rank 0's report is "
+        "printed before the ranks exit; runs once, outside training",
+    (f"{PKG}.deepspeed.harness", "all_gather"): "test/bench harness: compares replicas from outside the adapter",
+    (f"{PKG}.deepspeed.harness", "all_reduce"): "test/bench harness: averages the reported loss",
+}
+
+
+def _distributed_calls(path: Path) -> list[tuple[str, int]]:
+    """torch.distributed collectives called in ``path``: ``X.op(...)`` with X bound to torch.distributed
+    (``import torch.distributed as X``, ``from torch import distributed as X``), ``torch.distributed.op(...)``
+    and ``op(...)`` after ``from torch.distributed import op``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    aliases, direct = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            if node.module == "torch":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+            elif node.module == "torch.distributed":
+                direct |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in direct:
+            out.append((f.id, node.lineno))
+        elif isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
+            v = f.value
+            if (isinstance(v, ast.Name) and v.id in aliases) or (
+                    isinstance(v, ast.Attribute) and v.attr == "distributed"
+                    and isinstance(v.value, ast.Name) and v.value.id == "torch"):
+                out.append((f.attr, node.lineno))
+    return out
+
+
+def test_adapters_issue_no_collective_of_their_own():
+    """Every collective of an adapter goes through the engine (reducer/dispatch.py, reducer/replicas.py),
+    so it takes its place in the one schedule and ends in a named, bounded error."""
+    bad, seen = [], set()
+    for module, path in MODULES.items():
+        if _part(module) not in ADAPTERS:
+            continue
+        rel = path.relative_to(ROOT)
+        bad += [f"{rel}:{line}: imports {t} (engine only)" for t, line in _imports(module, path) if t in ENGINE_ONLY]
+        for op, line in _distributed_calls(path):
+            if (module, op) in KNOWN_ADAPTER_COLLECTIVES:
+                seen.add((module, op))
+            else:
+                bad.append(f"{rel}:{line}: calls torch.distributed.{op} (hand it to the engine: engine.call, "
+                           "reducer/replicas.py)")
+    assert not bad, "adapters issuing collectives themselves:\n" + "\n".join(bad)
+    stale = set(KNOWN_ADAPTER_COLLECTIVES) - seen
+    assert not stale, f"no longer called; delete them from KNOWN_ADAPTER_COLLECTIVES: {stale}"
+
+
+def test_the_collective_check_sees_every_spelling(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import torch\nimport torch.distributed as d\nfrom torch import distributed as e\n"
+                   "from torch.distributed import barrier as b\n"
+                   "d.all_reduce(t)\ne.broadcast(t, 0)\ntorch.distributed.all_gather(x, t)\nb()\n"
+                   "d.get_rank()\nd.new_group([0])\n")
+    assert sorted(_distributed_calls(src)) == [("all_gather", 7), ("all_reduce", 5), ("b", 8), ("broadcast", 6)]
 
 
 def _framework_imports(path: Path) -> list[tuple[str, int]]:

@@ -60,7 +60,7 @@ def _cfg(**local) -> TopoAlignConfig:
 
 def _drift_run(rank, groups, *, async_reconcile: bool):
     """3 steps; at step 3 (before the reducer reconciles) the reference drift from all replicas."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     torch.manual_seed(0)
     model = Tiny()
@@ -89,7 +89,7 @@ def _drift_run(rank, groups, *, async_reconcile: bool):
 def _promote_run(rank, groups):
     """Promotion on, async requested: promotions happen at a blocking reconciliation, invariants hold
     on every step, the state round-trips."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     torch.manual_seed(1)
     model = Tiny()

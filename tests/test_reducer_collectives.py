@@ -205,7 +205,7 @@ def _rank_main(rank, world):
     g = build_groups(discover_plan(cfg), dp_ranks_all=[[0, 3, 2, 1]], timeout_s=60)
     res["C"] = collective_checks(g, 3)
     # ... and the reducer's invariant checks map gathered results back to DP positions
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     from test_reducer_modes import cfg_of, make, train
 

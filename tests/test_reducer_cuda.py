@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.multirank,
 def _rank_main(rank, world):
     import torch.distributed as dist
 
-    from topo_integrations.reducer import GroupedReducer, build_groups, discover_plan
+    from topo_integrations.reducer import build_groups, discover_plan
+    from topo_integrations.torch import GroupedReducer
 
     from test_reducer_modes import HOSTNAME_ENV, cfg_of, flat_params, make, same_on
 

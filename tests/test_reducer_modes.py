@@ -118,7 +118,7 @@ def train(model, red, opt, rank, start, stop, *, verify=False, on_step=None):
 def s_grads_match_reference(rank, world, groups):
     """flat and hierarchical gradients == dist.all_reduce mean of the local gradients (mixed dtypes),
     with no_sync accumulation and a parameter that gets no gradient on some ranks."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     class Mixed(nn.Module):
         def __init__(self):
@@ -177,7 +177,7 @@ def s_grads_match_reference(rank, world, groups):
 
 def s_selective_invariants(rank, world, groups):
     """30+ steps of selective, blocking: invariant 1 each step, classes refresh, analytic inter bytes."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     model = make()
     cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.2, local__reconcile_interval=4,
@@ -221,7 +221,7 @@ def s_selective_invariants(rank, world, groups):
 
 
 def s_top_fraction_one_equals_hierarchical(rank, world, groups):
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     finals = {}
     for name, cfg in (("hier", cfg_of(mode="hierarchical")),
@@ -237,7 +237,7 @@ def s_top_fraction_one_equals_hierarchical(rank, world, groups):
 
 def s_fp16_wire_bytes(rank, world, groups):
     """sync.dtype fp16 (+4-byte scale) and local fp16: analytic bytes per step on both tiers."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     model = make(4)
     cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.0, sync__dtype="fp16", local__dtype="fp16",
@@ -254,7 +254,7 @@ def s_fp16_wire_bytes(rank, world, groups):
 def s_async(rank, world, groups):
     """Asynchronous reconciliation: staleness <= interval, final forced reconcile -> all identical
     (parameters and the Adam moments of LOCAL parameters)."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     model = make(6)
     H = 3
@@ -277,7 +277,7 @@ def s_delta_reconcile(rank, world, groups):
     """reconcile_dtype bf16 (deltas with error feedback), moments every 2nd reconciliation and an outer
     Nesterov step, against fp32 value averaging: invariants on every step, every parameter and moment
     identical after reconcile(), and the reconciliation bytes on the slow tier."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     out = {}
     for name, kw in (("fp32", {}), ("bf16", {"local__reconcile_dtype": "bf16", "local__moments_interval": 2,
@@ -314,7 +314,7 @@ def _rt_cfg(**extra) -> TopoAlignConfig:
 
 
 def _round_trip(rank, groups, cfg, total=14, k=9, n_layers=3):
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     def fresh():
         model = make(8, n_layers)
@@ -350,7 +350,7 @@ def s_defaults(rank, world, groups):
     deltas, moments every 4th reconciliation, drift promotion up to 0.15 of the elements): invariant
     1 on every step, classes change only at reconciliation steps and only LOCAL -> SYNC within the
     budget, everything identical after reconcile(), and a bitwise resume across a promotion."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     cfg = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"},
                                           "fallback": {"timeout_s": 60.0}})
@@ -378,7 +378,7 @@ def s_defaults(rank, world, groups):
 
 def s_importance(rank, world, groups):
     """magnitude and hutchinson importance: classes change only right after a reconciliation."""
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     out = {}
     for method in ("magnitude", "hutchinson"):
@@ -404,7 +404,7 @@ def s_importance(rank, world, groups):
 
 
 def s_agreement(rank, world, groups):
-    from topo_integrations.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     model = make()
     red = GroupedReducer(model, cfg_of(sync__last_n_layers=1, sync__top_fraction=0.0), groups=groups)
@@ -427,7 +427,8 @@ def s_agreement(rank, world, groups):
 
 def s_fallback(rank, world):
     """Single node: selective falls back to flat, logged once via the `topo_align` logger."""
-    from topo_integrations.reducer import GroupedReducer, discover_plan
+    from topo_integrations.reducer import discover_plan
+    from topo_integrations.torch import GroupedReducer
 
     records = []
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from topo_integrations.reducer.buckets import build_buckets
 from topo_integrations.reducer.classes import LOCAL, SYNC, classify, layer_indices
 from topo_integrations.reducer.compression import choose_scale, is_lossy, quantize, wire_dtype
+from topo_integrations.torch.buckets import build_buckets
 
 MEGATRON = [
     "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",

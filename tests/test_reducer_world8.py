@@ -21,7 +21,8 @@ UNEQUAL = ["a"] * 4 + ["b"] * 2 + ["c"] * 2
 
 
 def _rank_main(rank, world):
-    from topo_integrations.reducer import GroupedReducer, build_groups, discover_plan
+    from topo_integrations.reducer import build_groups, discover_plan
+    from topo_integrations.torch import GroupedReducer
 
     res = {}
     cfg = cfg_of()
@@ -56,9 +57,10 @@ LEAF8 = os.path.join(os.path.dirname(__file__), "..", "configs", "topologies", "
 def _three_level(rank, world):
     """topology.middle_level on 2 leaves x 2 islands x 2 ranks: every collective through island,
     leaf rail and spine rail; exactness, bytes per tier, and a selective run with invariant 1."""
-    from topo_integrations.reducer import GroupedReducer, build_groups, discover_plan
+    from topo_integrations.reducer import build_groups, discover_plan
     from topo_integrations.reducer.collectives import hierarchical_all_reduce
     from topo_integrations.reducer.stats import Stats
+    from topo_integrations.torch import GroupedReducer
 
     cfg = cfg_of(topology__source="file", topology__file=LEAF8, topology__middle_level=True)
     g = build_groups(discover_plan(cfg), timeout_s=60)

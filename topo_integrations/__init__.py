@@ -17,9 +17,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The reducer imports torch; keep `import topo_integrations` (and the CLI) light.
+    # The adapters import torch; keep `import topo_integrations` (and the CLI) light.
     if name == "GroupedReducer":
-        from .reducer import GroupedReducer
+        from .torch import GroupedReducer
 
         return GroupedReducer
     raise AttributeError(f"module 'topo_integrations' has no attribute {name!r}")

@@ -168,7 +168,7 @@ class _Reducer(_Plain):
 
     def __init__(self, spec: dict, mode: str):
         from ..config import TopoAlignConfig
-        from ..reducer import GroupedReducer
+        from ..torch import GroupedReducer
 
         super().__init__(spec)
         self.cfg = TopoAlignConfig.model_validate(_block(spec, mode, async_reconcile=spec["async_reconcile"]))

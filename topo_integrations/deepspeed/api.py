@@ -124,7 +124,6 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
 
     # 4. Processes.
     import deepspeed
-    import torch
     import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
@@ -136,15 +135,14 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
 
     # 5. Topology, plan, groups.
     from ..reducer.groups import build_groups, discover_plan
+    from ..reducer.replicas import all_dp_layouts, broadcast_from_first
 
     dp_ranks_all = None
     if mpu is not None:
         dp_group = mpu.get_data_parallel_group()
         mine = sorted(tdist.get_process_group_ranks(dp_group))
-        every: list = [None] * tdist.get_world_size()
-        tdist.all_gather_object(every, mine)
-        dp_ranks_all = sorted({tuple(g) for g in every})
-        dp_ranks_all = [list(g) for g in dp_ranks_all]
+        every = all_dp_layouts(dp_group, timeout_s=cfg.fallback.timeout_s)
+        dp_ranks_all = [list(g) for g in sorted(tuple(sorted(g)) for g in every)]
         plan = discover_plan(cfg, dp_ranks=mine, dp_group=dp_group)
     else:
         plan = discover_plan(cfg)
@@ -165,9 +163,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     if island_dp:
         from .mpu import IslandMPU
 
-        with torch.no_grad():
-            for p in list(model.parameters()) + list(model.buffers()):
-                tdist.broadcast(p.data, src=groups.dp_ranks[0])
+        broadcast_from_first(list(model.parameters()) + list(model.buffers()), groups)
         kwargs["mpu"] = IslandMPU(groups)
         ds = copy.deepcopy(ds)
         if "train_batch_size" in ds:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..config import TopoAlignConfig
 from ..reducer.groups import ReducerGroups, broadcast_plan, build_groups, discover_plan
+from ..reducer.replicas import all_dp_layouts
 
 __all__ = ["groups_for_dp_group", "GroupSet", "LayoutError"]
 
@@ -40,20 +41,6 @@ class LayoutError(ValueError):
     """The topology's groups do not fit the data-parallel layout Megatron uses; the message says how to fix it."""
 
 
-def _all_dp_groups(dp_group) -> tuple[tuple[int, ...], ...]:
-    """Every data-parallel group of the job (global ranks in group order), in a fixed order.
-
-    Communication: one `all_gather_object` over the world.
-    """
-    if dp_group is not None:
-        mine = tuple(dist.get_process_group_ranks(dp_group))
-    else:
-        mine = tuple(range(dist.get_world_size()))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return tuple(sorted(set(everyone), key=lambda g: g[0]))
-
-
 def groups_for_dp_group(cfg: TopoAlignConfig, dp_group, known: GroupSet | None = None) -> ReducerGroups:
     """This rank's `ReducerGroups` over the data-parallel group ``dp_group`` (collective over the world).
 
@@ -67,7 +54,7 @@ def groups_for_dp_group(cfg: TopoAlignConfig, dp_group, known: GroupSet | None =
          broadcast to the world and every group checks its own plan has the same groups;
       3. `build_groups` creates the intra/inter groups of every data-parallel group.
     """
-    all_dp = _all_dp_groups(dp_group)
+    all_dp = tuple(all_dp_layouts(dp_group, timeout_s=cfg.fallback.timeout_s))
     key = (json.dumps({"t": cfg.topology.model_dump(), "timeout": cfg.fallback.timeout_s}, sort_keys=True), all_dp)
     if known is not None and key in known.built:
         return known.built[key]

@@ -14,8 +14,9 @@ Layers, bottom up:
   reconcile.py    what adapters hand over for reconciliation, and how it is averaged (part of Engine)
   adaptive.py     adaptive levels when the slow tier degrades
   regroup.py      adaptive regrouping (candidate plans, estimates, rebuilding the groups)
-  buckets.py      flat gradient buckets in reverse registration order
-  reducer.py      GroupedReducer (buckets from hooks, for any nn.Module)
+  replicas.py     the adapters' other collectives: start-up broadcast, fingerprint gather, DP layouts
+
+The adapters sit above: torch/ (GroupedReducer, the DDP comm hook), deepspeed/, megatron/.
 """
 
 from .collectives import (
@@ -28,10 +29,9 @@ from .collectives import (
 )
 from .engine import Engine, ParamReconcileSource, ReconcileItem
 from .groups import ReducerGroups, broadcast_plan, build_groups, discover_plan
-from .reducer import ConsistencyError, GroupedReducer
 
 __all__ = [
-    "GroupedReducer", "ConsistencyError", "Engine", "ReconcileItem", "ParamReconcileSource",
+    "Engine", "ReconcileItem", "ParamReconcileSource",
     "ReducerGroups", "build_groups", "broadcast_plan", "discover_plan",
     "CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
     "reconcile_average", "agree_scalar",

@@ -49,11 +49,17 @@ class Importance:
         if not params:
             return torch.zeros(0)
         grads = [p.grad.detach() if p.grad is not None else p.detach().new_zeros(1) for p in params]
-        # accumulated in fp32: an fp16 gradient's norm can exceed 65504
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        has = torch.tensor([p.grad is not None for p in params], device=norms[0].device)
-        sq = torch.stack([n.float() for n in norms]).pow(2)
+        sq = Importance.sq_norms(grads)
+        has = torch.tensor([p.grad is not None for p in params], device=sq.device)
         return torch.where(has, sq, torch.zeros_like(sq))
+
+    @staticmethod
+    def sq_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Squared norm of each tensor, fp32 (the same numbers whether the tensors are ``p.grad`` or
+        views of a framework's bucket holding them), in one fused kernel per dtype."""
+        # accumulated in fp32: an fp16 gradient's norm can exceed 65504
+        norms = torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float32)
+        return torch.stack([n.float() for n in norms]).pow(2)
 
     def observe(self, names: list[str], sq_sums: torch.Tensor, numels: list[int]) -> None:
         """Fold squared gradient sums of ``names`` (per element: divided by ``numels``) into the EMA;

@@ -12,7 +12,7 @@ __all__ = ["Mode", "Cls", "Traffic"]
 
 
 class Mode(StrEnum):
-    """How gradients are reduced (``mode`` of the config; DESIGN.md section 4)."""
+    """How gradients are reduced (``mode`` of the config; docs/design.md)."""
 
     FLAT = "flat"
     """One all-reduce over the data-parallel group (the fallback)."""

@@ -26,7 +26,7 @@ the group, reconciliation). A plan with one tier falls back to `flat` (logged on
 The policy (classes, importance, drift, reconciliation schedule, adaptive levels, state) and every
 collective live in the shared :class:`~topo_integrations.reducer.engine.Engine` that the DeepSpeed
 and Megatron adapters use too; this class adds what a bare ``nn.Module`` needs: buckets filled from
-post-accumulate-grad hooks, parameter broadcast, and the consistency check.
+post-accumulate-grad hooks, parameter broadcast (reducer/replicas.py), and the consistency check.
 """
 
 from __future__ import annotations
@@ -36,19 +36,20 @@ import logging
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import TopoAlignConfig
+from ..reducer.classes import LOCAL, SYNC, layer_indices
+from ..reducer.dispatch import CommBucket
+from ..reducer.engine import Engine, ParamReconcileSource
+from ..reducer.groups import ReducerGroups, build_groups, discover_plan
+from ..reducer.importance import Importance
+from ..reducer.replicas import broadcast_from_first
 from ..topology import Plan
 from .buckets import Bucket, build_buckets
-from .classes import LOCAL, SYNC, layer_indices
-from .dispatch import CommBucket
-from .engine import Engine, ParamReconcileSource
-from .groups import ReducerGroups, build_groups, discover_plan
-from .importance import Importance
+from .consistency import ConsistencyError, verify_replicas
 
-__all__ = ["GroupedReducer", "ConsistencyError"]
+__all__ = ["GroupedReducer", "ConsistencyError", "trainable_parameters", "topology_groups"]
 
 log = logging.getLogger("topo_align")
 
@@ -58,17 +59,43 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 """Cap of the first bucket of each class, in fp32 bytes (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``: 1 MiB)."""
 
 
-class ConsistencyError(RuntimeError):
-    """Replicas that must be identical are not (invariants 1 and 2 of docs/reducer.md); the message names the first."""
+def topology_groups(cfg: TopoAlignConfig, *, groups: ReducerGroups | None = None, plan: Plan | None = None,
+                    dp_ranks_all: list[list[int]] | None = None) -> tuple[ReducerGroups, str | None]:
+    """The groups to reduce over (discovered and built unless given) and why the mode falls back to
+    `flat` (None when it does not). A one-tier plan is an error with ``fallback.on_flat_topology =
+    'error'``. Collective over the default group when it discovers or builds."""
+    if groups is None:
+        if plan is None:
+            plan = discover_plan(cfg)
+        groups = build_groups(plan, dp_ranks_all=dp_ranks_all, timeout_s=cfg.fallback.timeout_s)
+    if cfg.mode == "flat" or groups.hierarchical:
+        return groups, None
+    if cfg.fallback.on_flat_topology == "error":
+        raise ValueError(f"topo_align: mode {cfg.mode!r} needs a hierarchical plan, but {groups.plan.reason} "
+                         "(fallback.on_flat_topology = 'error')")
+    log.warning("topo_align: mode %r falls back to 'flat': %s", cfg.mode, groups.plan.reason)
+    return groups, groups.plan.reason
 
 
-def _hash_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A bitwise fingerprint (two int64 sums over the raw bits) of ``t``; equal bits -> equal hash."""
-    flat = t.detach().reshape(-1)
-    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
-    bits = flat.contiguous().view(ints).to(torch.int64)
-    w = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 1_000_003 + 1
-    return torch.stack([(bits * w).sum(), (bits * bits).sum() + bits.numel()])
+def trainable_parameters(model: nn.Module, param_names: dict | None = None) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every parameter that requires a gradient, registration order, shared ones
+    once; ``param_names`` (parameter -> name or name -> parameter) overrides the module's names."""
+    if param_names:
+        k = next(iter(param_names))
+        by_param = param_names if isinstance(k, torch.Tensor) else {p: n for n, p in param_names.items()}
+        by_id = {id(p): n for p, n in by_param.items()}
+    else:
+        by_id = None
+    out, seen = [], set()
+    for n, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append((by_id.get(id(p), n) if by_id is not None else n, p))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError("topo_align: param_names gives two parameters the same name")
+    return out
 
 
 def _dense(name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -99,27 +126,19 @@ class GroupedReducer:
                              "GroupedReducer(..., loss_closure=lambda: loss_fn(model(batch)))")
         self.cfg = cfg
         self.model = model
-        if groups is None:
-            if plan is None:
-                plan = discover_plan(cfg)
-            groups = build_groups(plan, dp_ranks_all=dp_ranks_all, timeout_s=cfg.fallback.timeout_s)
-        self.fallback_reason: str | None = None
-        if cfg.mode != "flat" and not groups.hierarchical:
-            if cfg.fallback.on_flat_topology == "error":
-                raise ValueError(f"topo_align: mode {cfg.mode!r} needs a hierarchical plan, but {groups.plan.reason} "
-                                 "(fallback.on_flat_topology = 'error')")
-            self.fallback_reason = groups.plan.reason
-            log.warning("topo_align: mode %r falls back to 'flat': %s", cfg.mode, groups.plan.reason)
+        groups, self.fallback_reason = topology_groups(cfg, groups=groups, plan=plan, dp_ranks_all=dp_ranks_all)
 
         # Parameters: registration order, shared parameters once.
-        self._named = self._named_params(model, param_names)
+        self._named = trainable_parameters(model, param_names)
         if not self._named:
             raise ValueError("topo_align: the model has no parameter that requires a gradient")
         self._params = {n: p for n, p in self._named}
         self._names = [n for n, _ in self._named]
         self.device = self._named[0][1].device
         if broadcast_parameters:
-            self._broadcast_parameters(groups)
+            # Every replica starts from DP position 0's parameters and buffers (as DDP does); before
+            # the engine exists, whose initial classes rank the parameters by magnitude.
+            broadcast_from_first(list(model.parameters()) + list(model.buffers()), groups)
 
         self._bucket_numel = max(1, int(cfg.communication.bucket_size_mb * 1024 * 1024) // 4)
         self.engine = Engine(cfg, groups, self._names, [p.numel() for _, p in self._named], device=self.device,
@@ -171,54 +190,6 @@ class GroupedReducer:
         return self.engine.importance
 
     # ------------------------------------------------------------------ set-up helpers
-
-    @staticmethod
-    def _named_params(model: nn.Module, param_names: dict | None) -> list[tuple[str, nn.Parameter]]:
-        if param_names:
-            k = next(iter(param_names))
-            by_param = param_names if isinstance(k, torch.Tensor) else {p: n for n, p in param_names.items()}
-            by_id = {id(p): n for p, n in by_param.items()}
-        else:
-            by_id = None
-        out, seen = [], set()
-        for n, p in model.named_parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            out.append((by_id.get(id(p), n) if by_id is not None else n, p))
-        names = [n for n, _ in out]
-        if len(set(names)) != len(names):
-            raise ValueError("topo_align: param_names gives two parameters the same name")
-        return out
-
-    def _broadcast_parameters(self, groups: ReducerGroups) -> None:
-        """Every replica starts from DP position 0's parameters and buffers (as DDP does).
-
-        Phases: tensors grouped by (device, dtype) are concatenated into chunks of about 64 MiB,
-        each chunk is one broadcast from DP position 0 over the DP group, then copied back.
-        """
-        src = groups.dp_ranks[0]
-        by_kind: dict[tuple, list[torch.Tensor]] = {}
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
-            if t.numel():
-                by_kind.setdefault((t.device, t.dtype), []).append(t)
-        limit = 64 * 1024 * 1024
-        with torch.no_grad():
-            for ts in by_kind.values():
-                chunk: list[torch.Tensor] = []
-                size = 0
-                for t in ts + [None]:
-                    if t is not None and (not chunk or size + t.numel() * t.element_size() <= limit):
-                        chunk.append(t)
-                        size += t.numel() * t.element_size()
-                        continue
-                    flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-                    dist.broadcast(flat, src=src, group=groups.dp_group)
-                    off = 0
-                    for c in chunk:
-                        c.data.copy_(flat[off:off + c.numel()].view(c.shape))
-                        off += c.numel()
-                    chunk, size = ([t], t.numel() * t.element_size()) if t is not None else ([], 0)
 
     def _build_buckets(self) -> None:
         """Buckets per class for the engine's current classes and groups (also its reconfigure listener)."""
@@ -410,40 +381,9 @@ class GroupedReducer:
 
     def verify_consistency(self) -> None:
         """Check invariants 1 and 2 (docs/reducer.md) now; raise :class:`ConsistencyError` naming the first
-        parameter (or decision) that differs and between which ranks.
-
-        Phases: 1. fingerprint every parameter and the class/bucket layout locally;
-                2. all-gather the fingerprints over the DP group; 3. compare: SYNC on all ranks,
-                LOCAL inside each group (on all ranks after a reconciliation).
-        Collective over the DP group.
-        """
-        g = self.groups
-        layout = str(self._layout()).encode()
-        lay = torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(torch.int64)
-        rows = [_hash_tensor(lay.to(self.device))] + [_hash_tensor(p) for _, p in self._named]
-        mine = torch.stack(rows).reshape(-1)
-        allh = [torch.empty_like(mine) for _ in range(g.dp_size)]
-        dist.all_gather(allh, mine, group=g.dp_group)
-        # all_gather orders by group rank (ascending global rank); reorder to DP positions
-        order = sorted(g.dp_ranks)
-        H = torch.stack([allh[order.index(r)] for r in g.dp_ranks]).reshape(g.dp_size, len(rows), 2).cpu()
-        gi = [self.plan.group_index(pos) for pos in range(g.dp_size)]
-        for pos in range(1, g.dp_size):
-            if not torch.equal(H[pos, 0], H[0, 0]):
-                raise ConsistencyError(
-                    f"topo_align: class assignment / bucket layout differs between DP positions 0 and {pos} "
-                    f"(global ranks {g.dp_ranks[0]} and {g.dp_ranks[pos]})")
-        for i, (name, _) in enumerate(self._named, start=1):
-            cls = self.engine.classes[name]
-            everywhere = cls == SYNC or self.engine.all_synced
-            for pos in range(g.dp_size):
-                ref = 0 if everywhere else gi.index(gi[pos])
-                if not torch.equal(H[pos, i], H[ref, i]):
-                    where = "on all ranks" if everywhere else f"inside group {gi[pos]}"
-                    raise ConsistencyError(
-                        f"topo_align: parameter {name!r} ({cls}) must be identical {where} but differs between "
-                        f"DP positions {ref} and {pos} (global ranks {g.dp_ranks[ref]} and {g.dp_ranks[pos]}, "
-                        f"groups {gi[ref]} and {gi[pos]}) after {self.engine.step} optimizer steps")
+        parameter (or decision) that differs and between which ranks (torch/consistency.py).
+        Collective over the DP group (one all-gather, issued in the engine's schedule)."""
+        verify_replicas(self.engine, self._named, str(self._layout()))
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads."""

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .collectives import padded_numel
-
 __all__ = ["Bucket", "build_buckets"]
 
 
@@ -68,7 +66,7 @@ def build_buckets(named: list[tuple[str, torch.Tensor]], classes: dict[str, str]
             offs.append(off)
             off += p.numel()
         dev = items[0][1].device
-        buf = torch.zeros(padded_numel(max(off, 1), pad_to), dtype=dt, device=dev)
+        buf = torch.zeros(-(-max(off, 1) // pad_to) * pad_to, dtype=dt, device=dev)
         out[cls].append(Bucket(len(out[cls]), cls, [n for n, _ in items], [p for _, p in items], offs, off, buf))
 
     for name, p in reversed(named):
