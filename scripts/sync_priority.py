@@ -138,8 +138,8 @@ def main() -> int:
         return f"{fmt(med)} [{fmt(min(vals))}-{fmt(max(vals))}]"
 
     ms = lambda v: f"{v * 1e3:.0f}"  # noqa: E731
-    print(f"| variant | SYNC tail, reconciliation in flight (ms) | SYNC tail, none in flight (ms) | ratio | "
-          f"step (s) | slow-tier MB/step |")
+    print("| variant | SYNC tail, reconciliation in flight (ms) | SYNC tail, none in flight (ms) | ratio | "
+          "step (s) | slow-tier MB/step |")
     print("| --- | --- | --- | --- | --- | --- |")
     for variant, rs in runs.items():
         print(f"| {variant} | {cell([r['with'] for r in rs], ms)} | {cell([r['without'] for r in rs], ms)} | "

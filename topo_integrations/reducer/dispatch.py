@@ -18,9 +18,10 @@ The schedule (docs/reducer.md, "One schedule"):
    reconciliation is cut into chunks: the first ``k`` go at its launch, into the window before the
    next step's first SYNC bucket (forward), ``k`` agreed over the DP group from measured window and
    chunk times; the rest is held until every bucket of the next step is submitted
-   (:meth:`Dispatcher.all_submitted`) or someone needs the average. A release point is a position in the sequence of submissions,
-   not a time: which buckets fill during backward may differ between ranks (a parameter without
-   gradient on one rank), the sequence SYNC..., LOCAL..., reconciliation... does not.
+   (:meth:`Dispatcher.all_submitted`) or someone needs the average. A release point is a position
+   in the sequence of submissions, not a time: which buckets fill during backward may differ between
+   ranks (a parameter without gradient on one rank), the sequence SYNC..., LOCAL...,
+   reconciliation... does not.
    Submissions come from the training thread in program order, so the released sequence, hence
    every communicator's sequence and their interleaving, is the same on every rank.
 3. **Priority.** Within a step the SYNC reductions go first; LOCAL (island tier) and reconciliation
