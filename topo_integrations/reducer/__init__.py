@@ -1,17 +1,26 @@
 """Topology-aware gradient reduction (docs/reducer.md); framework-free, explicit process groups.
 
 Layers, bottom up:
+  kinds.py        Mode, Cls, Traffic enums;  ranges.py  flat <-> element-range copies
   groups.py       process groups from a plan (+ discover_plan: topology -> plan on rank 0 -> broadcast)
-  collectives.py  flat / hierarchical / intra / reconcile collectives on flat tensors
+  discover.py     `topology.source: auto` at run time: node facts gathered, optional tier probe
+  collectives.py  flat / hierarchical / intra / reconcile collectives on flat tensors (each one
+                  completion-timed, error-named, fingerprinted with monitor.check_collectives)
+  order.py        collective fingerprints and their cross-rank comparison (CollectiveOrderError)
   compression.py  wire dtypes, FP16 integer grid, error feedback
   classes.py      SYNC / LOCAL classes (last N layers, always_sync, importance top fraction)
   importance.py   fisher / magnitude / hutchinson scores
   drift.py        drift of LOCAL replicas at reconciliation, promotion to SYNC
   stats.py        bytes and seconds per tier and class
   wire.py         Wire: the engine's collectives, error-feedback residuals by key, comm device
-  engine.py       Engine: the one policy behind every adapter (classes, importance, reconciliation,
-                  drift, adaptive levels, state); the DeepSpeed and Megatron adapters use it too
-  reconcile.py    what adapters hand over for reconciliation, and how it is averaged (part of Engine)
+  recipes.py      CommBucket -> its collectives (wire dtype, residual, levels), decided once
+  dispatch.py     Dispatcher: the one ordered schedule (release points, one issuing thread, futures,
+                  bounded waits); every collective of an engine goes through it
+  policy.py       ClassPolicy: which tensors are SYNC / LOCAL (importance, drift, classes)
+  reconcile.py    what adapters hand over for reconciliation, and how it is averaged (part of Engine;
+                  PendingAverage: an average in flight)
+  health.py       probes and the start-of-run check of every communicator
+  engine.py       Engine: the step (policy + dispatcher + reconciliation), adaptive levels, state, stats
   adaptive.py     adaptive levels when the slow tier degrades
   regroup.py      adaptive regrouping (candidate plans, estimates, rebuilding the groups)
   replicas.py     the adapters' other collectives: start-up broadcast, fingerprint gather, DP layouts

@@ -30,14 +30,15 @@ from typing import Callable
 
 import torch
 
-from ..config import ConfigError, TopoAlignConfig
-from .classes import LOCAL, SYNC, classify
+from ..config import TopoAlignConfig
+from .classes import LOCAL, SYNC
 from .compression import wire_dtype
 from .dispatch import CommBucket, Dispatcher
 from .drift import DriftMonitor
 from .importance import Importance
 from .kinds import Cls, Mode, Traffic
 from .order import check_requested
+from .policy import ClassPolicy
 from .reconcile import ParamReconcileSource, PendingAverage, ReconcileItem, ReconcileMixin, ReconcileSource
 from .stats import Stats
 from .wire import Wire
@@ -65,15 +66,13 @@ class Engine(ReconcileMixin):
                  levels: tuple[str, ...] = ("normal", "reconcile", "fp16", "flat"), can_regroup: bool = False):
         self.cfg = cfg
         self.groups = groups
-        self.names = list(names)
-        self.numels = dict(zip(self.names, (int(k) for k in numels)))
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.layers = layers
-        self.num_layers = num_layers
-        self.params = params or {}
-        self.forced_sync = set(forced_sync)
         self.mode = Mode(cfg.mode) if groups.hierarchical else Mode.FLAT
+        self.policy = ClassPolicy(cfg, names, numels, device=self.device, layers=layers, num_layers=num_layers,
+                                  params=params, forced_sync=forced_sync, loss_closure=loss_closure,
+                                  selective=self.mode is Mode.SELECTIVE)
+        """Which tensors are SYNC / LOCAL (policy.py): names, sizes, importance, drift, classes."""
         self.stats_ = Stats()
         self.wire = Wire(groups, device=self.device, error_feedback=cfg.communication.error_feedback,
                          stats=self.stats_)
@@ -90,19 +89,13 @@ class Engine(ReconcileMixin):
         self.reconcile_dtype = wire_dtype(cfg.local.reconcile_dtype)
         self._anchor: dict | None = None
         """The last reconciled LOCAL values (keys, flat fp32, outer momentum): identical on every rank."""
-        self.importance = Importance(cfg.importance.method, cfg.importance.ema_decay, self.names,
-                                     device=self.device)
-        self.loss_closure = loss_closure
-        self.drift = DriftMonitor(cfg.local.promote_drift_fraction, sum(self.numels.values()))
         self.step = 0
         self.last_refresh = 0
         self.reconciles = 0
         self.all_synced = True
         self.max_staleness = 0
-        self.class_version = 0
         self._pending: PendingAverage | None = None
         self._listeners: list[Callable[[Engine], None]] = []
-        self.classes = self._initial_classes()
         self.levels = levels
         self.can_regroup = can_regroup
         """Whether adaptive regrouping may rebuild the groups (GroupedReducer only: a framework's
@@ -119,46 +112,56 @@ class Engine(ReconcileMixin):
     def _configure_dispatch(self) -> None:
         self.dispatcher.configure(mode=self.mode, sync_dtype=self.sync_dtype, local_dtype=self.local_dtype)
 
-    # ------------------------------------------------------------------ classes
+    # ------------------------------------------------------------------ classes (policy.py)
 
     @property
     def selective(self) -> bool:
         return self.mode is Mode.SELECTIVE
 
     @property
+    def classes(self) -> dict[str, str]:
+        return self.policy.classes
+
+    @property
+    def names(self) -> list[str]:
+        return self.policy.names
+
+    @property
+    def numels(self) -> dict[str, int]:
+        return self.policy.numels
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.policy.params
+
+    @property
+    def importance(self) -> Importance:
+        return self.policy.importance
+
+    @property
+    def drift(self) -> DriftMonitor:
+        return self.policy.drift
+
+    @property
+    def class_version(self) -> int:
+        return self.policy.class_version
+
+    @property
     def tracks_fisher(self) -> bool:
         """Whether :meth:`observe` is worth calling (fisher scores that can change the classes)."""
-        t = self.cfg.sync.top_fraction
-        return self.selective and self.cfg.importance.method == "fisher" and 0.0 < t < 1.0
-
-    def _classify(self, scores: list[float] | None) -> dict[str, str]:
-        c = self.cfg.sync
-        out = classify(self.names, [self.numels[n] for n in self.names], last_n_layers=c.last_n_layers,
-                       always_sync=list(c.always_sync), top_fraction=c.top_fraction,
-                       scores=scores, layers=self.layers, num_layers=self.num_layers, exact_names=self.forced_sync)
-        return self.drift.apply(out)
-
-    def _initial_classes(self) -> dict[str, str]:
-        if self.mode is not Mode.SELECTIVE:
-            return {n: SYNC for n in self.names}
-        # Parameters are equal on every rank at start, so magnitude ranks identically without a collective.
-        scores = None
-        if self.params and all(n in self.params for n in self.names):
-            scores = Importance.magnitude([self.params[n] for n in self.names]).cpu().tolist()
-        return self._classify(scores)
+        return self.policy.tracks_fisher(self.selective)
 
     def is_sync(self, name: str) -> bool:
-        return self.classes[name] == SYNC
+        return self.policy.is_sync(name)
 
     def local_names(self) -> list[str]:
-        return [n for n in self.names if self.classes[n] == LOCAL]
+        return self.policy.local_names()
 
     def has_local(self) -> bool:
-        return any(c == LOCAL for c in self.classes.values())
+        return self.policy.has_local()
 
     def sync_fraction(self) -> float:
-        total = sum(self.numels.values()) or 1
-        return sum(self.numels[n] for n in self.names if self.classes[n] == SYNC) / total
+        return self.policy.sync_fraction()
 
     def on_reconfigure(self, fn: Callable[["Engine"], None]) -> None:
         """``fn(engine)`` runs after every change of classes, mode, wire dtype or groups."""
@@ -183,11 +186,7 @@ class Engine(ReconcileMixin):
         if mode is not None and mode != self.mode:
             self.mode = Mode(mode)
             changed = True
-        if classes is not None and classes != self.classes:
-            if set(classes) != set(self.names):
-                raise ValueError("topo_align: reconfigure(classes=...) must name every parameter of the engine")
-            self.classes = dict(classes)
-            self.class_version += 1
+        if classes is not None and self.policy.set_classes(classes):
             self._anchor = None
             changed = True
         if reconcile_interval is not None:
@@ -207,44 +206,27 @@ class Engine(ReconcileMixin):
         """Fisher: fold this step's squared gradient sums of ``names`` (one value per name, of the
         part of the tensor this rank holds) into the per-element EMA."""
         if self.tracks_fisher and names:
-            self.importance.observe(names, sq_sums.to(self.importance.ema.device),
-                                    [self.numels[n] for n in names])
+            self.policy.observe(names, sq_sums)
 
     def set_loss_closure(self, fn: Callable[[], torch.Tensor] | None) -> None:
         """The loss closure `hutchinson` differentiates twice (the adapter may capture one itself)."""
-        self.loss_closure = fn
-
-    def _scores(self) -> list[float]:
-        """This rank's scores, averaged over the data-parallel group (one fp64 SUM all-reduce)."""
-        m = self.cfg.importance.method
-        if m == "fisher":
-            local = self.importance.ema.clone()
-        elif m == "magnitude":
-            local = Importance.magnitude([self.params[n] for n in self.names])
-        else:
-            if self.loss_closure is None:
-                raise ConfigError(
-                    "topo_align: importance.method = 'hutchinson' needs a loss closure at the class refresh "
-                    f"(step {self.step}): the adapter captures the model's own loss when its forward returns "
-                    "one; otherwise call set_loss_closure(fn) (or use 'fisher' / 'magnitude')")
-            local = Importance.hutchinson([self.params[n] for n in self.names], self.loss_closure,
-                                          seed=self.importance.next_seed())
-        s = self.wire.agree(local.double().reshape(-1), "sum", cls="control")
-        return (s / self.groups.dp_size).cpu().tolist()
+        self.policy.loss_closure = fn
 
     def refresh_classes(self) -> bool:
         """Re-rank on agreed scores; True when the classes changed. Only right after a blocking
-        reconciliation. Collective over the DP group."""
+        reconciliation. Phases: 1. this rank's scores (policy.py); 2. one fp64 SUM all-reduce over
+        the DP group, / DP size; 3. classify on the agreed scores."""
         self.last_refresh = self.step
         if not self.selective:
             return False
-        new = self._classify(self._scores())
+        s = self.wire.agree(self.policy.local_scores(self.step).reshape(-1), "sum", cls="control")
+        new = self.policy.classify((s / self.groups.dp_size).cpu().tolist())
         if new == self.classes:
             return False
         self.reconfigure(classes=new)
+        n_sync, n_local = self.policy.counts()
         log.info("topo_align: step %d: classes refreshed (%d SYNC / %d LOCAL tensors, SYNC %.1f%% of elements)",
-                 self.step, sum(c == SYNC for c in new.values()), sum(c == LOCAL for c in new.values()),
-                 100 * self.sync_fraction())
+                 self.step, n_sync, n_local, 100 * self.sync_fraction())
         return True
 
     # ------------------------------------------------------------------ the dispatcher's facade

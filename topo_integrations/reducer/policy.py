@@ -1,0 +1,115 @@
+"""The class policy of `selective`: which tensors are SYNC and which LOCAL, and why.
+
+Owns the tensors the adapter reduces (names, sizes, layer indices, parameters), the importance
+scores (fisher EMA fed by :meth:`ClassPolicy.observe`, magnitude, hutchinson from a loss closure),
+the drift monitor's promotions and the current classes. Everything here is local arithmetic: the
+one collective it needs (agreeing the scores over the data-parallel group) is the engine's, which
+passes the local scores to its dispatcher and the agreed ones back (:meth:`ClassPolicy.local_scores`,
+:meth:`ClassPolicy.classify`), so every rank computes the same classes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..config import ConfigError, TopoAlignConfig
+from .classes import LOCAL, SYNC, classify
+from .drift import DriftMonitor
+from .importance import Importance
+
+__all__ = ["ClassPolicy"]
+
+
+class ClassPolicy:
+    """Classes of the engine's tensors (all SYNC outside `selective`)."""
+
+    def __init__(self, cfg: TopoAlignConfig, names: list[str], numels: list[int], *, device,
+                 layers: dict[str, int | None], num_layers: int | None, params: dict[str, torch.Tensor] | None,
+                 forced_sync: set[str], loss_closure: Callable[[], torch.Tensor] | None, selective: bool):
+        self.cfg = cfg
+        self.names = list(names)
+        self.numels = dict(zip(self.names, (int(k) for k in numels)))
+        self.layers = layers
+        self.num_layers = num_layers
+        self.params = params or {}
+        self.forced_sync = set(forced_sync)
+        self.loss_closure = loss_closure
+        self.importance = Importance(cfg.importance.method, cfg.importance.ema_decay, self.names, device=device)
+        self.drift = DriftMonitor(cfg.local.promote_drift_fraction, sum(self.numels.values()))
+        self.class_version = 0
+        self.classes = self._initial(selective)
+
+    # ------------------------------------------------------------------ the classes
+
+    def classify(self, scores: list[float] | None) -> dict[str, str]:
+        """Classes for (agreed) per-tensor scores: last N layers, always_sync, top fraction, promotions."""
+        c = self.cfg.sync
+        out = classify(self.names, [self.numels[n] for n in self.names], last_n_layers=c.last_n_layers,
+                       always_sync=list(c.always_sync), top_fraction=c.top_fraction,
+                       scores=scores, layers=self.layers, num_layers=self.num_layers, exact_names=self.forced_sync)
+        return self.drift.apply(out)
+
+    def _initial(self, selective: bool) -> dict[str, str]:
+        if not selective:
+            return {n: SYNC for n in self.names}
+        # Parameters are equal on every rank at start, so magnitude ranks identically without a collective.
+        scores = None
+        if self.params and all(n in self.params for n in self.names):
+            scores = Importance.magnitude([self.params[n] for n in self.names]).cpu().tolist()
+        return self.classify(scores)
+
+    def set_classes(self, classes: dict[str, str]) -> bool:
+        """Adopt ``classes`` (every name); True when they differ from the current ones."""
+        if classes == self.classes:
+            return False
+        if set(classes) != set(self.names):
+            raise ValueError("topo_align: reconfigure(classes=...) must name every parameter of the engine")
+        self.classes = dict(classes)
+        self.class_version += 1
+        return True
+
+    def is_sync(self, name: str) -> bool:
+        return self.classes[name] == SYNC
+
+    def local_names(self) -> list[str]:
+        return [n for n in self.names if self.classes[n] == LOCAL]
+
+    def has_local(self) -> bool:
+        return any(c == LOCAL for c in self.classes.values())
+
+    def sync_fraction(self) -> float:
+        total = sum(self.numels.values()) or 1
+        return sum(self.numels[n] for n in self.names if self.classes[n] == SYNC) / total
+
+    def counts(self) -> tuple[int, int]:
+        """(SYNC tensors, LOCAL tensors)."""
+        n_sync = sum(c == SYNC for c in self.classes.values())
+        return n_sync, len(self.classes) - n_sync
+
+    # ------------------------------------------------------------------ importance
+
+    def tracks_fisher(self, selective: bool) -> bool:
+        """Whether :meth:`observe` is worth calling (fisher scores that can change the classes)."""
+        t = self.cfg.sync.top_fraction
+        return selective and self.cfg.importance.method == "fisher" and 0.0 < t < 1.0
+
+    def observe(self, names: list[str], sq_sums: torch.Tensor) -> None:
+        """Fisher: fold this step's squared gradient sums of ``names`` into the per-element EMA."""
+        self.importance.observe(names, sq_sums.to(self.importance.ema.device), [self.numels[n] for n in names])
+
+    def local_scores(self, step: int) -> torch.Tensor:
+        """This rank's scores (fp64, one per name), before the engine agrees them."""
+        m = self.cfg.importance.method
+        if m == "fisher":
+            return self.importance.ema.clone().double()
+        if m == "magnitude":
+            return Importance.magnitude([self.params[n] for n in self.names]).double()
+        if self.loss_closure is None:
+            raise ConfigError(
+                "topo_align: importance.method = 'hutchinson' needs a loss closure at the class refresh "
+                f"(step {step}): the adapter captures the model's own loss when its forward returns "
+                "one; otherwise call set_loss_closure(fn) (or use 'fisher' / 'magnitude')")
+        return Importance.hutchinson([self.params[n] for n in self.names], self.loss_closure,
+                                     seed=self.importance.next_seed()).double()
