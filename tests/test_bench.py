@@ -283,12 +283,183 @@ def test_write_section_replaces_only_its_preset(tmp_path):
     (["--section", "Lean Run"], "topo-align bench: --section 'Lean Run': use lower-case letters, digits and '-'"),
     (["--systems", "ddp", "--comm-share"],
      "topo-align bench: --comm-share: needs ds-zero0 among --systems (it is the system measured)"),
+    (["--preset", "2x2-long", "--systems", "ddp,topo-selective"],
+     "topo-align bench: --systems: the budget is ds-zero0's time for --steps steps; add ds-zero0 or give --budget-s"),
+    (["--preset", "2x2-long", "--lr-schedule", "cosine"],
+     "topo-align bench: --lr-schedule cosine: under an equal wall-clock budget the systems take different step"),
+    (["--budget-s", "-3"], "topo-align bench: --budget-s -3.0: must be positive (training seconds)"),
+    (["--preset", "2x2-long", "--max-steps", "100"], "topo-align bench: --max-steps 100: must be at least --steps 400"),
+    (["--localsgd-sweep", "4,0"], "topo-align bench: --localsgd-sweep '4,0': expected averaging periods >= 1"),
+    (["--systems", "post-local-sgd-h0"], "topo-align bench: --systems: unknown post-local-sgd-h0; accepted: "),
+    (["--eval-interval", "0"], "topo-align bench: --eval-interval 0: must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, msg):
     p = subprocess.run([PY, "-m", "topo_integrations.cli", "bench", *args], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().startswith(msg) and len(p.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ long horizon (pure)
+
+@pytest.mark.timeout(10)
+def test_equal_budget_arithmetic():
+    from topo_integrations.bench.budget import budget_for, run_order, train_seconds
+    from topo_integrations.bench.driver import BenchSpec
+
+    # the reference runs first in every round when its time sets the budget
+    assert run_order(("ddp", "ds-zero0", "topo-hier"), True, None) == ("ds-zero0", "ddp", "topo-hier")
+    assert run_order(("ddp", "ds-zero0"), True, 30.0) == ("ddp", "ds-zero0")  # a given budget: as given
+    assert run_order(("ddp", "ds-zero0"), False, None) == ("ddp", "ds-zero0")
+    kw = dict(equal_budget=True, budget_s=None)
+    assert budget_for("ds-zero0", None, **kw) == (None, None)  # runs --steps, sets the budget
+    assert budget_for("ddp", 51.5, **kw) == (51.5, None)
+    assert budget_for("ddp", None, **kw) == (None, "no budget: ds-zero0 did not finish in this round")
+    assert budget_for("ds-zero0", None, equal_budget=True, budget_s=20.0) == (20.0, None)
+    assert budget_for("ddp", 51.5, equal_budget=False, budget_s=None) == (None, None)
+    assert train_seconds({"step_end_s": [1.0, 2.5, 3.75]}) == 3.75
+    assert BenchSpec(steps=400).step_cap == 400
+    assert BenchSpec(steps=400, equal_budget=True, lr_schedule="constant").step_cap == 3200
+    assert BenchSpec(steps=400, equal_budget=True, lr_schedule="constant", max_steps=1000).step_cap == 1000
+
+
+@pytest.mark.timeout(10)
+def test_constant_schedule_and_the_long_preset_defaults():
+    from topo_integrations.bench.cli import MODELS
+    from topo_integrations.bench.driver import PRESETS
+    from topo_integrations.bench.trainers import lr_at_step
+
+    spec = {"lr": 1e-3, "warmup_steps": 4, "steps": 10, "min_lr_ratio": 0.1, "lr_schedule": "constant"}
+    assert [lr_at_step(s, spec) for s in (0, 3, 4, 10, 5000)] == pytest.approx([2.5e-4, 1e-3, 1e-3, 1e-3, 1e-3])
+    spec["lr_schedule"] = "cosine"
+    assert lr_at_step(10, spec) == pytest.approx(1e-4)  # cosine ends at 0.1x at --steps
+    long = PRESETS["2x2-long"]
+    assert long.model == "deep" and MODELS["deep"]["layers"] == 16 and long.uplink_mbit == 40.0
+    assert long.defaults["steps"] >= 400 and long.defaults["eval_interval"] == 25
+    assert long.defaults["lr_schedule"] == "constant" and long.defaults["repeats"] >= 2
+    assert long.systems[0] == "ds-zero0" and {"post-local-sgd", "megatron-distopt", "ds-topo-selective-z1"} <= \
+        set(long.systems)
+
+
+@pytest.mark.timeout(10)
+def test_post_local_sgd_period_variants():
+    from topo_integrations.bench.systems import averaging_period, is_local, resolve
+
+    assert resolve("post-local-sgd-h8").label == "PyTorch post-local SGD + HierarchicalModelAverager (H=8)"
+    assert resolve("post-local-sgd-h0") is None and resolve("post-local-sgd-hx") is None and resolve("nope") is None
+    assert averaging_period("post-local-sgd-h16") == 16 and averaging_period("post-local-sgd") == 0
+    assert averaging_period("ddp") is None
+    assert is_local("post-local-sgd-h2") and is_local("ds-topo-selective-z1") and not is_local("topo-hier")
+    pl8 = theory_bytes("post-local-sgd-h8", L2X2, P, {"steps": 10, "localsgd_warmup": 2, "averaging_period": 8,
+                                                      "averages": 1})
+    assert pl8["node"] == pytest.approx((2 * 3 * S + 1 * 3 * S) / 10)
+
+
+@pytest.mark.timeout(10)
+def test_time_to_target_interpolates_between_evaluations():
+    from topo_integrations.bench.budget import not_below, time_to, value_at
+
+    curve = [[0, 0.0, 5.0], [25, 10.0, 3.0], [50, 20.0, 2.0]]
+    assert time_to(curve, 2.5) == pytest.approx((15.0, 37.5))  # halfway from 3.0 to 2.0
+    assert time_to(curve, 3.0) == (10.0, 25.0)  # reached exactly at an evaluation
+    assert time_to(curve, 6.0) == (0.0, 0.0)  # the untrained model already is
+    assert time_to(curve, 1.9) is None
+    assert value_at(curve, 5.0) == pytest.approx(4.0) and value_at(curve, 21.0) is None
+    # compared at the evaluation times of either curve (both interpolated): a is not below b at 5 s
+    # (4.0 vs 2.0) and 10 s (3.0 vs 2.25), below at 15 s (2.0 vs 2.5) and 20 s (1.0 vs 1.83)
+    a = [[0, 0.0, 5.0], [10, 10.0, 3.0], [20, 20.0, 1.0]]
+    b = [[0, 0.0, 5.0], [5, 5.0, 2.0], [15, 15.0, 2.5], [30, 30.0, 0.5]]
+    assert not_below(a, b, 5.0, 100.0) == [(5.0, 15.0)]
+    assert not_below(a, b, 16.0, 100.0) == []  # clipped to the shorter curve's end (20 s)
+    assert not_below(b, a, 0.0, 100.0) == [(0.0, 5.0), (15.0, 20.0)]  # equal at 0 s counts as not below
+    # a span still open at the end closes there
+    assert not_below([[0, 0.0, 2.0], [1, 10.0, 1.0]], [[0, 0.0, 3.0], [1, 4.0, 1.5], [2, 8.0, 0.5]], 0.0, 99.0) == \
+        [(4.0, 8.0)]
+
+
+def _long(key, curve, *, steps, budget, step_s, val=None, measured=None, repeat=1):
+    e = _fake(key, [step_s] * steps, [3.0] * steps, measured=measured, theory=measured)
+    e["result"].update(val_curve=curve, val_loss=val if val is not None else curve[-1][2], steps_taken=steps,
+                       budget_s=budget, stopped="budget" if budget else "steps")
+    e.update(repeat=repeat)
+    return e
+
+
+def _long_results():
+    ref = _long("ds-zero0", [[0, 0, 5.0], [4, 4.0, 3.0], [8, 8.0, 2.0]], steps=8, budget=None, step_s=1.0,
+                measured=3e6)
+    sel = _long("topo-selective", [[0, 0, 5.0], [8, 4.0, 2.2], [16, 8.0, 1.99]], steps=16, budget=8.0, step_s=0.5,
+                val=2.01, measured=1.0e6)
+    pl = _long("post-local-sgd", [[0, 0, 5.0], [8, 2.0, 2.1], [32, 8.0, 2.05]], steps=32, budget=8.0, step_s=0.25,
+               measured=1.2e6)
+    res = _results([{**ref, "runs": [ref]}, {**sel, "runs": [sel]}, {**pl, "runs": [pl]}])
+    res["spec"].update(eval_interval=4, equal_budget=True, lr_schedule="constant", eval_batches=1)
+    return res
+
+
+@pytest.mark.timeout(10)
+def test_long_goals_rows():
+    res = _long_results()
+    unshaped = _fake("ds-zero0", [1.0, 0.2, 0.2], [3.0] * 3)
+    res["comm_share"] = {"system": "ds-zero0", "unshaped_mbit": 1e4, "runs": [unshaped]}
+    summarize(res)
+    lg = res["long"]
+    assert lg["flat_final_val"] == 2.0 and lg["flat_quality"] == pytest.approx(2.02)
+    assert lg["localsgd_best"] == "post-local-sgd"
+    by = {e["key"]: e["long"] for e in res["systems"]}
+    # selective: 2.2 at 4 s, 1.99 at 8 s: 2.02 at 4 + 4 * 0.18 / 0.21 s; post-local SGD never gets below 2.05
+    assert by["topo-selective"]["time_to_quality_s"] == pytest.approx(4 + 4 * 0.18 / 0.21)
+    assert by["ds-zero0"]["time_to_quality_s"] == pytest.approx(7.92)
+    assert by["post-local-sgd"]["time_to_quality_s"] is None and by["post-local-sgd"]["steps"] == 32
+    goals = {g["goal"]: g for g in res["goals"]}
+    assert goals["preset: stock ZeRO-0 spends >= 70% of its step communicating"]["met"] is True  # 80%
+    g = goals["topo-selective: reaches flat quality sooner than every peer"]
+    assert g["met"] is True and g["detail"] == "7.4 s (target 2.0200); peers: ds-zero0 7.9 s, post-local-sgd never"
+    g = goals["topo-selective: final validation loss within 1% of flat"]
+    assert g["met"] is True and g["detail"] == "2.0100 vs 2.0000 (+0.50%)"
+    g = goals["topo-selective: below every peer on the validation curves from a quarter of the run on"]
+    # from 2 s (a quarter of 8 s): post-local SGD is lower at 2 s (3.6 vs 2.1) and 4 s (2.2 vs 2.083), not at 8 s
+    assert g["met"] is False and "not below post-local-sgd 2.0-8.0 s" in g["detail"] and "ds-zero0" not in g["detail"]
+    g = goals["topo-selective: slow-tier bytes per step <= post-local SGD (H=4)"]
+    assert g["met"] is True and g["detail"] == "1.00 MB vs 1.20 MB per step (-17%)"
+    g = goals["topo-selective: >= 2x stock ZeRO-0 step throughput"]
+    assert g["met"] is True and g["detail"] == "2.00x (median step 0.500 s vs 1.000 s)"
+    md = markdown(res)
+    assert "Flat quality: 2.0200 = 1.01 x ds-zero0's final validation loss 2.0000" in md
+    assert "| topo-align selective (GroupedReducer) | 7.4 s | 2.0100 | +0.50% | 1.00 MB | 16 | 8.0 s |" in md
+    assert "(warm-up 1, then constant)" in md and "validation every 4 steps" in md
+
+
+@pytest.mark.timeout(10)
+def test_long_goals_when_a_peer_or_selective_is_missing():
+    res = _long_results()
+    res["systems"].append({"key": "ds-topo-selective", "label": SYSTEMS["ds-topo-selective"].label,
+                           "status": "failed", "reason": "x"})
+    res["systems"] = [e for e in res["systems"] if e["key"] != "post-local-sgd"]
+    summarize(res)
+    goals = {g["goal"]: g for g in res["goals"]}
+    assert goals["ds-topo-selective: final validation loss within 1% of flat"]["detail"] == \
+        "not measured: ds-topo-selective did not run"
+    assert goals["topo-selective: slow-tier bytes per step <= post-local SGD (H=4)"] == {
+        "goal": "topo-selective: slow-tier bytes per step <= post-local SGD (H=4)", "systems": ("topo-selective",),
+        "met": None, "detail": "not measured: post-local-sgd did not run"}
+    assert not [g for g in res["goals"] if g["goal"].startswith("preset:")]  # no --comm-share in this run
+
+
+@pytest.mark.timeout(10)
+def test_measured_bytes_leave_the_evaluation_pauses_out():
+    from topo_integrations.bench.driver import _measured
+    from topo_integrations.emulate.counters import CounterSnapshot, LinkCounters
+
+    def snap(tx):
+        return CounterSnapshot((LinkCounters("node0", "uplink", "node", "ns0", "eth0", tx, 0, 0, 0),
+                                LinkCounters("lo0", "loopback", "intra", "ns0", "lo", tx // 10, 0, 0, 0)))
+
+    snaps = {"start": (0.0, snap(1000)), "pause1": (5.0, snap(3000)), "resume1": (6.0, snap(4000)),
+             "pause2": (9.0, snap(6000)), "resume2": (9.5, snap(6500)), "end": (12.0, snap(9000))}
+    m = _measured(snaps, 4)
+    assert m["cross_node_bytes"] == 8000 - 1000 - 500 and m["cross_node_bytes_per_step"] == 1625
+    assert m["window_s"] == pytest.approx(10.5) and m["pauses"] == 2 and m["intra_node_bytes"] == 650
 
 
 # ------------------------------------------------------------------------------ emulated
@@ -351,6 +522,31 @@ def test_quick_bench_writes_report(quick_run):
     assert "Command: `topo-align bench --quick --systems ddp,topo-hier" in text
     for png in ("bench-2x2-quick-loss-vs-time.png", "bench-2x2-quick-bytes-per-tier.png"):
         assert (quick_run["out"] / "img" / png).stat().st_size > 1000
+
+
+@pytest.mark.emulated
+@pytest.mark.timeout(240)
+def test_long_preset_smoke_equal_budget_and_curves(tmp_path):
+    """The 2x2-long plumbing on a tiny GPT: ZeRO-0's 4 steps set selective's budget, validation every
+    2 steps with the evaluations' bytes left out (one pause per intermediate evaluation)."""
+    if _REASON:
+        pytest.skip(f"emulated cluster unavailable: {_REASON}")
+    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--preset", "2x2-long", "--quick", "--steps", "4",
+                             "--eval-interval", "2", "--repeats", "1", "--no-comm-share",
+                             "--systems", "ds-zero0,topo-selective", "--out-dir", str(tmp_path)],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=220)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")] == []
+    ref, sel = json.loads((tmp_path / "results.json").read_text())["systems"]
+    assert ref["result"]["steps_taken"] == 4 and ref["result"]["stopped"] == "steps"
+    assert [p[0] for p in ref["result"]["val_curve"]] == [0, 2, 4] and ref["measured"]["pauses"] == 2
+    r = sel["result"]
+    assert r["budget_s"] == ref["result"]["step_end_s"][-1] and r["stopped"] in ("budget", "max_steps")
+    assert r["step_end_s"][-1] >= r["budget_s"] or r["steps_taken"] == 32
+    assert r["step_end_s"][-2] < r["budget_s"]  # it stopped after the first step at or past the budget
+    assert [p[0] for p in r["val_curve"]][:2] == [0, 2] and r["val_curve"][-1][0] == r["steps_taken"]
+    assert sel["long"]["steps"] == r["steps_taken"]
 
 
 @pytest.mark.emulated

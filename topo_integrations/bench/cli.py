@@ -1,6 +1,6 @@
 """`topo-align bench`: train the same GPT side by side under each system on one emulated cluster.
 
-    topo-align bench [--preset 2x2|4x1|2leaf] [--systems a,b,...] [--steps N] [--quick]
+    topo-align bench [--preset 2x2|2x2-long|4x1|2leaf|2leaf8] [--systems a,b,...] [--steps N] [--quick]
                      [--out-dir DIR] [--markdown FILE] [--img-dir DIR] [--target-loss X] ...
 
 Thin command-line shim over :mod:`topo_integrations.bench` (driver, systems, report). Exit code 0
@@ -38,12 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .systems import SYSTEMS
 
     p.add_argument("--preset", default="2x2", choices=sorted(PRESETS),
-                   help="emulated cluster: 2x2 (default; 2 nodes x 2 ranks, 200 Mbit/s uplinks), 4x1, 2leaf")
+                   help="emulated cluster: 2x2 (default; 2 nodes x 2 ranks, 200 Mbit/s uplinks), 4x1, 2leaf, 2leaf8; "
+                        "2x2-long: the long-horizon comparison (deep GPT, 40 Mbit/s, equal wall-clock budget, "
+                        "validation curves; docs/benchmarks.md)")
     p.add_argument("--systems", default=None, metavar="A,B,...",
-                   help=f"comma-separated subset, in run order (default: all): {', '.join(SYSTEMS)}")
+                   help="comma-separated subset, in run order (default: the preset's, else all): "
+                        f"{', '.join(SYSTEMS)}, post-local-sgd-hN (post-local SGD averaging every N steps)")
+    p.add_argument("--localsgd-sweep", default=None, metavar="H,H,...",
+                   help="also run post-local SGD at each of these averaging periods (systems post-local-sgd-hN)")
     p.add_argument("--quick", action="store_true", help="a few steps of a tiny model (smoke test)")
-    p.add_argument("--model", default="default", choices=sorted(MODELS),
-                   help="workload shape: default (4 x 256) or deep (16 x 64, communication-bound); "
+    p.add_argument("--model", default=None, choices=sorted(MODELS),
+                   help="workload shape: default (4 x 256; 2x2-long: deep) or deep (16 x 64, communication-bound); "
                         "--layers/--hidden/... override it")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per system, interleaved A B C A B C ... (default 1); the table gives the "
@@ -51,9 +56,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topo-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a topo_align key for every topo-align system, e.g. local.reconcile_dtype=bf16 "
                         "(VALUE read as JSON, else a string); repeatable")
-    p.add_argument("--comm-share", action="store_true",
+    p.add_argument("--comm-share", action=argparse.BooleanOptionalAction, default=None,
                    help="also run ds-zero0 with every link unshaped and report the share of its step spent "
-                        "communicating")
+                        "communicating (default: on for 2x2-long only)")
+    p.add_argument("--eval-interval", type=int, default=None, metavar="N",
+                   help="validation loss on held-out data every N steps, off the clock and the byte counters, "
+                        "after averaging the replicas of the local methods (2x2-long: 25)")
+    p.add_argument("--lr-schedule", default=None, choices=("cosine", "constant"),
+                   help="after the warm-up: cosine to 0.1x at --steps (default) or constant (2x2-long; required "
+                        "with an equal budget)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="every system, the reference too, trains for S seconds (default with 2x2-long: "
+                        "ds-zero0's time for --steps steps in the same round)")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="most steps one run may take under an equal budget (default 8 x --steps)")
     p.add_argument("--steps", type=int, default=None, help="training steps per system (default 40)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per rank per step (default 8)")
     p.add_argument("--layers", type=int, default=None, help="GPT layers (default 4)")
@@ -85,23 +101,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace):
-    from .driver import BenchSpec
+    from .driver import PRESETS, BenchSpec
     from .systems import SYSTEMS
 
-    kw: dict = dict(MODELS[args.model])
+    preset = PRESETS[args.preset]
+    kw: dict = dict(preset.defaults)
+    kw.update(MODELS[_model(args)])
     if args.quick:
         kw.update(QUICK)
-    kw["comm_share"] = bool(args.comm_share)
     kw["topo_set"] = _topo_set(args.topo_set)
+    if args.budget_s is not None:
+        kw["equal_budget"] = True
     for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "lr", "warmup_steps",
-                 "reconcile_interval", "localsgd_warmup", "target_loss", "seed", "uplink_mbit", "repeats"):
+                 "reconcile_interval", "localsgd_warmup", "target_loss", "seed", "uplink_mbit", "repeats",
+                 "comm_share", "eval_interval", "lr_schedule", "budget_s", "max_steps"):
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
     if args.timeout is not None:
         kw["timeout_s"] = args.timeout
-    systems = tuple(SYSTEMS) if args.systems is None else tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    systems = (preset.systems or tuple(SYSTEMS)) if args.systems is None else \
+        tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    sweep = (f"post-local-sgd-h{h}" for h in _sweep(args.localsgd_sweep))
+    systems += tuple(k for k in sweep if k not in systems)
     return BenchSpec(preset=args.preset, systems=systems, out_dir=args.out_dir, **kw)
+
+
+def _model(args: argparse.Namespace) -> str:
+    from .driver import PRESETS
+
+    return args.model or PRESETS[args.preset].model or "default"
+
+
+def _sweep(text: str | None) -> list[int]:
+    from .driver import BenchError
+
+    if text is None:
+        return []
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise BenchError(f"--localsgd-sweep {text!r}: expected averaging periods >= 1, e.g. 2,8,16")
+    return [int(t) for t in items]
 
 
 def _topo_set(items: list[str]) -> dict:
@@ -154,7 +194,7 @@ def _load_results(path: str, spec) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..emulate.signals import Stopped, stop_signals_raise
-    from .driver import BenchError, run_bench
+    from .driver import PRESETS, BenchError, run_bench
     from .report import markdown, plot
 
     try:
@@ -183,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     img_dir = args.img_dir or (os.path.join(os.path.dirname(os.path.abspath(args.markdown)), "img") if args.markdown
                                else args.out_dir)
     # The section (and image) name: preset, model when not the default, quick.
-    name = args.section or (spec.preset + (f"-{args.model}" if args.model != "default" else "")
+    model = _model(args)
+    name = args.section or (spec.preset + (f"-{model}" if model not in ("default", PRESETS[spec.preset].model) else "")
                             + ("-quick" if args.quick else ""))
     stem = f"bench-{name}"
     images = plot(results, img_dir, stem)

@@ -29,9 +29,11 @@ import numpy as np
 
 from ..topology.file_source import load_topology_file
 from ..topology.planner import plan_groups
-from .systems import SYSTEMS, Layout, availability, theory_bytes
+from .budget import budget_for, run_order, train_seconds
+from .presets import PRESETS, REFERENCE, Preset
+from .systems import SYSTEMS, Layout, availability, averaging_period, is_local, resolve, theory_bytes
 
-__all__ = ["PRESETS", "BenchSpec", "BenchError", "run_bench", "prepare_data", "REPO_ROOT"]
+__all__ = ["PRESETS", "Preset", "BenchSpec", "BenchError", "run_bench", "prepare_data", "REPO_ROOT"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,32 +42,7 @@ class BenchError(ValueError):
     """Bad benchmark input; the message names the field, the value and what is accepted."""
 
 
-@dataclass(frozen=True)
-class Preset:
-    topology: str
-    """Path relative to the repository root."""
-    group_by: str
-    uplink_mbit: float
-    description: str
-    middle_level: bool = False
-    """topo-align systems reduce over three levels (``topology.middle_level``)."""
-
-
-PRESETS: dict[str, Preset] = {
-    "2x2": Preset("configs/topologies/virtual-2x2.json", "island", 200.0,
-                  "2 nodes x 2 ranks, node uplinks 200 Mbit/s; intra-node on loopback (topology: 20:1)"),
-    "4x1": Preset("configs/topologies/virtual-4x1.json", "island", 200.0,
-                  "4 nodes x 1 rank under one leaf, node uplinks 200 Mbit/s (a flat cluster)"),
-    "2leaf": Preset("configs/topologies/virtual-2leaf.json", "leaf", 200.0,
-                    "2 leaves x 2 nodes x 1 rank, node uplinks 200 Mbit/s, spine 2:1 oversubscribed"),
-    "2leaf8": Preset("configs/topologies/virtual-2leaf-8.json", "island", 200.0,
-                     "2 leaves x 2 nodes x 2 ranks (8 ranks), node uplinks 200 Mbit/s, spine 2:1 "
-                     "oversubscribed; topo-align reduces over three levels (island, leaf rail, spine rail)",
-                     middle_level=True),
-}
-
-
-COMM_SHARE_SYSTEM = "ds-zero0"
+COMM_SHARE_SYSTEM = REFERENCE
 UNSHAPED_MBIT = 10_000.0
 """Rate of every link in the unshaped runs of --comm-share: 50x the presets' uplinks, so what is left
 of a step is compute, the loopback tier and the kernel's TCP work."""
@@ -112,17 +89,31 @@ class BenchSpec:
     comm_share: bool = False
     """Also run the reference (stock DeepSpeed ZeRO-0) with every link unshaped, ``repeats`` times, and
     report the share of its shaped step spent in communication: 1 - unshaped / shaped median step."""
+    lr_schedule: str = "cosine"
+    """``cosine``: warm-up, then cosine to ``min_lr_ratio`` at ``steps``; ``constant``: warm-up, then
+    ``lr`` (the only fair one when systems take different step counts, ``equal_budget``)."""
+    eval_interval: int | None = None
+    """Validation loss every this many steps (and before the first, after the last) on the held-out
+    batches; outside the clock and the byte counters (worker.py). None: only after the last step."""
+    equal_budget: bool = False
+    """Every system trains for the same wall-clock budget (``budget_s``, else the reference's training
+    time for ``steps`` steps in the same round) and takes as many steps as fit."""
+    budget_s: float | None = None
+    """The budget in training seconds; with it the reference runs to the budget too."""
+    max_steps: int | None = None
+    """Cap on the steps of one run under ``equal_budget`` (default 8 x ``steps``); data is cut for it."""
 
     def check(self) -> None:
         if self.preset not in PRESETS:
             raise BenchError(f"--preset {self.preset!r}: accepted: {', '.join(PRESETS)}")
-        unknown = [s for s in self.systems if s not in SYSTEMS]
+        unknown = [s for s in self.systems if resolve(s) is None]
         if unknown:
-            raise BenchError(f"--systems: unknown {', '.join(unknown)}; accepted: {', '.join(SYSTEMS)}")
+            raise BenchError(f"--systems: unknown {', '.join(unknown)}; accepted: {', '.join(SYSTEMS)}, "
+                             "post-local-sgd-hN (N >= 1)")
         if not self.systems:
             raise BenchError("--systems: give at least one system")
         for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "reconcile_interval",
-                     "eval_batches", "repeats"):
+                     "eval_batches", "repeats", "eval_interval", "max_steps"):
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: must be at least 1")
         if self.hidden % self.heads:
@@ -140,8 +131,32 @@ class BenchSpec:
                 TopoAlignConfig.model_validate({"enabled": True}).with_overrides(self.topo_set)
             except (ConfigError, ValueError) as exc:
                 raise BenchError(f"--topo-set: {str(exc).splitlines()[0]}") from None
+        self._check_budget()
         if self.comm_share and COMM_SHARE_SYSTEM not in self.systems:
             raise BenchError(f"--comm-share: needs {COMM_SHARE_SYSTEM} among --systems (it is the system measured)")
+
+    def _check_budget(self) -> None:
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise BenchError(f"--lr-schedule {self.lr_schedule!r}: accepted: cosine, constant")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise BenchError(f"--budget-s {self.budget_s!r}: must be positive (training seconds)")
+        if not self.equal_budget:
+            return
+        if self.lr_schedule != "constant":
+            raise BenchError("--lr-schedule cosine: under an equal wall-clock budget the systems take different "
+                             "step counts, so a schedule over --steps favours some; use constant")
+        if self.budget_s is None and REFERENCE not in self.systems:
+            raise BenchError(f"--systems: the budget is {REFERENCE}'s time for --steps steps; add {REFERENCE} "
+                             "or give --budget-s")
+        if self.step_cap < self.steps:
+            raise BenchError(f"--max-steps {self.max_steps}: must be at least --steps {self.steps}")
+
+    @property
+    def step_cap(self) -> int:
+        """The most steps one run may take (what the training data is cut for)."""
+        if not self.equal_budget:
+            return self.steps
+        return self.max_steps if self.max_steps is not None else 8 * self.steps
 
     @property
     def topology_file(self) -> str:
@@ -160,7 +175,7 @@ def prepare_data(spec: BenchSpec, world: int, log: Callable[[str], None] = print
         from ..train.data import build_gpt_datasets, prepare_dataset
 
     data_dir = spec.data_dir or os.path.join(spec.out_dir, "data")
-    n_train = spec.steps * world * spec.micro_batch
+    n_train = spec.step_cap * world * spec.micro_batch
     n_val = spec.eval_batches * spec.micro_batch
     key = f"seq{spec.seq_length}-seed{spec.seed}-n{n_train}-v{n_val}-c{spec.corpus_max_bytes}"
     train_npz, val_npz = (os.path.join(data_dir, f"{key}-{s}.npz") for s in ("train", "val"))
@@ -196,8 +211,10 @@ class _Poller(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.is_set():
-            for name in ("start", "end"):
-                if name not in self.snaps and os.path.exists(os.path.join(self.ctl, f"mark-{name}")):
+            # The worker's marks: start, end, and pause<k>/resume<k> around each evaluation.
+            names = [f[len("mark-"):] for f in os.listdir(self.ctl) if f.startswith("mark-") and not f.endswith(".tmp")]
+            for name in names:
+                if name not in self.snaps:
                     try:
                         self.snaps[name] = (time.time(), self.cluster.counters())
                     except Exception as exc:  # noqa: BLE001 - reported in the result
@@ -297,7 +314,7 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
         }
         entries = {}
         for key in spec.systems:
-            system = SYSTEMS[key]
+            system = resolve(key)
             entry = {"key": key, "label": system.label, "framework": system.framework, "note": system.note}
             why = availability(system)
             if why:
@@ -309,13 +326,20 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
             results["systems"].append(entry)
         # Interleaved (A B C A B C ...): a slow minute of the shared machine hits one run of each
         # system rather than every run of one.
+        # With an equal budget the reference runs first in every round: its time is the round's budget.
         for rep in range(spec.repeats):
-            for i, key in enumerate(spec.systems):
-                entry = entries[key]
+            round_budget = None
+            for key in run_order(spec.systems, spec.equal_budget, spec.budget_s):
+                entry, i = entries[key], list(spec.systems).index(key)
                 if entry["status"] == "not run":
                     continue
                 tag = key if spec.repeats == 1 else os.path.join(key, f"run{rep + 1}")
-                one = _run_one(cluster, launch, spec, key, i, layout, group_by, train_npz, val_npz, log, tag=tag)
+                budget, why = budget_for(key, round_budget, equal_budget=spec.equal_budget, budget_s=spec.budget_s)
+                one = {"status": "failed", "reason": why} if why else _run_one(
+                    cluster, launch, spec, key, i, layout, group_by, train_npz, val_npz, log, tag=tag, budget_s=budget)
+                if spec.equal_budget and key == REFERENCE and spec.budget_s is None and one["status"] == "ok":
+                    round_budget = train_seconds(one["result"])
+                    log(f"bench: round {rep + 1}: budget {round_budget:.1f} s ({REFERENCE}, {spec.steps} steps)")
                 entry["runs"].append({"repeat": rep + 1, **one})
                 _merge_runs(entry)
                 _write(os.path.join(spec.out_dir, "results.json"), results)
@@ -324,7 +348,8 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
             with _unshaped(cluster):
                 for rep in range(spec.repeats):
                     one = _run_one(cluster, launch, spec, COMM_SHARE_SYSTEM, 0, layout, group_by, train_npz,
-                                   val_npz, log, tag=os.path.join(COMM_SHARE_SYSTEM, f"unshaped{rep + 1}"))
+                                   val_npz, log, tag=os.path.join(COMM_SHARE_SYSTEM, f"unshaped{rep + 1}"),
+                                   evaluate=False)
                     one.pop("theory", None)
                     results["comm_share"]["runs"].append({"repeat": rep + 1, **one})
                     _write(os.path.join(spec.out_dir, "results.json"), results)
@@ -369,7 +394,8 @@ class _unshaped:
 
 
 def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Layout, group_by: str,
-             train_npz: str, val_npz: str, log, *, tag: str | None = None) -> dict:
+             train_npz: str, val_npz: str, log, *, tag: str | None = None, budget_s: float | None = None,
+             evaluate: bool = True) -> dict:
     sys_dir = os.path.abspath(os.path.join(spec.out_dir, tag or key))
     ctl = os.path.join(sys_dir, "ctl")
     os.makedirs(ctl, exist_ok=True)
@@ -391,10 +417,14 @@ def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Lay
         "middle_level": PRESETS[spec.preset].middle_level, "topo_set": dict(spec.topo_set),
         "groups": [list(g) for g in layout.groups] if layout.groups else None,
         "nodes": len(set(layout.hosts)),
+        "lr_schedule": spec.lr_schedule, "eval_interval": spec.eval_interval if evaluate else None,
+        "equal_budget": spec.equal_budget, "budget_s": budget_s, "max_steps": spec.step_cap,
+        "local_method": is_local(key), "averaging_period": averaging_period(key) or None,
     }
     spec_path = os.path.join(sys_dir, "spec.json")
     _write(spec_path, wspec)
-    log(f"bench: {tag or key}: running {spec.steps} steps on {len(layout.hosts)} ranks "
+    what = f"{budget_s:.1f} s of training" if budget_s is not None else f"{spec.steps} steps"
+    log(f"bench: {tag or key}: running {what} on {len(layout.hosts)} ranks "
         f"(load {os.getloadavg()[0]:.1f}) ...")
     poller = _Poller(cluster, ctl)
     poller.start()
@@ -418,26 +448,34 @@ def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Lay
     with open(result_path, encoding="utf-8") as fh:
         r = json.load(fh)
     entry.update(status="ok", result=r)
-    if poller.error or any(v[1] is None for v in poller.snaps.values()) or len(poller.snaps) != 2:
+    if poller.error or any(v[1] is None for v in poller.snaps.values()) or not {"start", "end"} <= set(poller.snaps):
         entry["counters_error"] = poller.error or "a mark was not answered"
     else:
-        (ta, a), (tb, b) = poller.snaps["start"], poller.snaps["end"]
-        d = b.minus(a)
-        steps = spec.steps
-        entry["measured"] = {
-            "window_s": tb - ta,
-            "cross_node_bytes": d.cross_node_bytes, "cross_leaf_bytes": d.cross_leaf_bytes,
-            "intra_node_bytes": d.intra_node_bytes,
-            "cross_node_bytes_per_step": d.cross_node_bytes / steps,
-            "cross_leaf_bytes_per_step": d.cross_leaf_bytes / steps,
-            "intra_node_bytes_per_step": d.intra_node_bytes / steps,
-            "links": d.to_json()["links"],
-        }
+        entry["measured"] = _measured(poller.snaps, int(r.get("steps_taken", spec.steps)))
     th = theory_bytes(key, layout, r["params"], r.get("info", {}))
     if th is not None:
         entry["theory"] = {"cross_node_bytes_per_step": th["node"], "cross_leaf_bytes_per_step": th["leaf"]}
     log(f"bench: {tag or key}: done in {wall:.0f} s (load {env_note['load_end']:.1f})")
     return entry
+
+
+def _measured(snaps: dict, steps: int) -> dict:
+    """Counter differences over the training window less its pauses (evaluations: marks
+    ``pause<k>`` / ``resume<k>``), per step."""
+    (ta, a), (tb, b) = snaps["start"], snaps["end"]
+    d, window = b.minus(a), tb - ta
+    for name in sorted(n for n in snaps if n.startswith("pause")):
+        (tp, p), (tr, q) = snaps[name], snaps["resume" + name[len("pause"):]]
+        d, window = d.minus(q.minus(p)), window - (tr - tp)
+    return {
+        "window_s": window, "steps": steps, "pauses": sum(1 for n in snaps if n.startswith("pause")),
+        "cross_node_bytes": d.cross_node_bytes, "cross_leaf_bytes": d.cross_leaf_bytes,
+        "intra_node_bytes": d.intra_node_bytes,
+        "cross_node_bytes_per_step": d.cross_node_bytes / steps,
+        "cross_leaf_bytes_per_step": d.cross_leaf_bytes / steps,
+        "intra_node_bytes_per_step": d.intra_node_bytes / steps,
+        "links": d.to_json()["links"],
+    }
 
 
 def _tail(path: str, n: int = 3) -> str:

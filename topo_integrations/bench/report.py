@@ -141,7 +141,9 @@ def summarize(results: dict, *, target_loss: float | None = None) -> dict:
         m, th = e.get("measured"), e.get("theory")
         if m and th and th["cross_node_bytes_per_step"] > 0:
             s["measured_over_theory"] = m["cross_node_bytes_per_step"] / th["cross_node_bytes_per_step"]
-    results["goals"] = _goals(results, ok)
+    from .longrun import is_long, summarize_long
+
+    results["goals"] = summarize_long(results, ok) if is_long(results) else _goals(results, ok)
     for g in results["goals"]:
         noisy = [k for k in g.get("systems", ()) if ok.get(k, {}).get("repeats", {}).get("over_limit")]
         if noisy:
@@ -327,8 +329,7 @@ def markdown(results: dict, images: dict[str, str] | None = None) -> str:
         "",
         f"Workload: GPT {spec['layers']} layers x {spec['hidden']} hidden, {spec['heads']} heads, sequence "
         f"{spec['seq_length']}, byte-level vocabulary; micro-batch {spec['micro_batch']} per rank, "
-        f"{spec['steps']} steps, AdamW lr {spec['lr']:g} (warm-up {spec['warmup_steps']}, cosine to "
-        f"{spec['min_lr_ratio']:g}x), clip {spec['clip']:g}, "
+        + _steps_and_lr(spec) + f", clip {spec['clip']:g}, "
         f"seed {spec['seed']}; selective: last {_eff(spec, 'sync.last_n_layers', 'sync_last_n_layers')} layer(s) "
         f"+ head SYNC, reconcile every {_eff(spec, 'local.reconcile_interval', 'reconcile_interval')} steps; "
         f"post-local SGD: averaging period {spec.get('reconcile_interval') or LOCALSGD_PERIOD}, warm-up "
@@ -356,9 +357,27 @@ def markdown(results: dict, images: dict[str, str] | None = None) -> str:
     if params:
         lines.insert(-6, f"Parameters: {', '.join(f'{p / 1e6:.3f}M' for p in params)} (megatron-core's GPTModel pads "
                          "the vocabulary to 264).\n")
+    if results.get("long"):
+        from .longrun import long_md
+
+        lines[lines.index("Goals:"):lines.index("Goals:")] = ["Equal wall-clock budget:", "", long_md(results), ""]
     for name, path in (images or {}).items():
         lines += [f"![{name}]({path})", ""]
     return "\n".join(lines)
+
+
+def _steps_and_lr(spec: dict) -> str:
+    if spec.get("budget_s"):
+        steps = f"{spec['budget_s']:g} s of training for every system (equal budget)"
+    elif spec.get("equal_budget"):
+        steps = f"every system trains for {REFERENCES[0]}'s wall time of {spec['steps']} steps (equal budget)"
+    else:
+        steps = f"{spec['steps']} steps"
+    if spec.get("eval_interval"):
+        steps += f", validation every {spec['eval_interval']} steps"
+    if spec.get("lr_schedule") == "constant":
+        return f"{steps}, AdamW lr {spec['lr']:g} (warm-up {spec['warmup_steps']}, then constant)"
+    return f"{steps}, AdamW lr {spec['lr']:g} (warm-up {spec['warmup_steps']}, cosine to {spec['min_lr_ratio']:g}x)"
 
 
 def _loads(e: dict) -> str:
@@ -429,4 +448,9 @@ def plot(results: dict, img_dir: str, stem: str) -> dict[str, str]:
     fig.savefig(p, dpi=110)
     plt.close(fig)
     out["bytes per tier"] = p
+    from .longrun import plot_val
+
+    v = plot_val(results, img_dir, stem)
+    if v:
+        out["validation loss vs wall time"] = v
     return out

@@ -23,7 +23,7 @@ LOCALSGD_PERIOD = 4
 """Post-local SGD's averaging period when --reconcile-interval is not given (the bench's peer setting)."""
 
 __all__ = ["System", "SYSTEMS", "DEFAULT_SYSTEMS", "Layout", "ring_bytes", "theory_bytes", "availability",
-           "LOCALSGD_PERIOD"]
+           "LOCALSGD_PERIOD", "LOCAL_METHODS", "resolve", "averaging_period", "is_local"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
         rec = hierarchical(layout, reconcile_payload(params * (1 - f), n_rec, info))
         sync = hierarchical(layout, f * S)
         return {k: sync[k] + rec[k] / steps for k in sync}
-    if key == "post-local-sgd":
+    if averaging_period(key) is not None:
         w = min(steps, int(info.get("localsgd_warmup", 0)))
         H = int(info.get("averaging_period", 4))
         n_avg = int(info.get("averages", max(0, (steps - w)) // H))
@@ -199,11 +199,11 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
            ("torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook:post_localSGD_hook",
             "torch.distributed.algorithms.model_averaging.hierarchical_model_averager:HierarchicalModelAverager")),
     System("topo-flat", "topo-align flat (GroupedReducer)", "topo-align",
-           ("topo_integrations.reducer:GroupedReducer",)),
+           ("topo_integrations.torch:GroupedReducer",)),
     System("topo-hier", "topo-align hierarchical (GroupedReducer)", "topo-align",
-           ("topo_integrations.reducer:GroupedReducer",)),
+           ("topo_integrations.torch:GroupedReducer",)),
     System("topo-selective", "topo-align selective (GroupedReducer)", "topo-align",
-           ("topo_integrations.reducer:GroupedReducer",)),
+           ("topo_integrations.torch:GroupedReducer",)),
     System("ds-topo-hier", "topo-align hierarchical in DeepSpeed ZeRO-0", "topo-align",
            ("deepspeed", "topo_integrations.deepspeed:initialize")),
     System("ds-topo-selective", "topo-align selective in DeepSpeed ZeRO-0", "topo-align",
@@ -214,6 +214,38 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
 ]}
 
 DEFAULT_SYSTEMS: tuple[str, ...] = tuple(SYSTEMS)
+
+LOCAL_METHODS = ("post-local-sgd", "topo-selective", "ds-topo-selective", "ds-topo-selective-z1")
+"""Systems whose replicas differ between groups between averagings (post-local SGD and its
+``-hN`` variants, selective): validation along the run evaluates the mean of the replicas."""
+
+_H_SUFFIX = "post-local-sgd-h"
+
+
+def averaging_period(key: str) -> int | None:
+    """Post-local SGD's averaging period a key fixes: ``post-local-sgd-h8`` -> 8; 0 for plain
+    ``post-local-sgd`` (the bench's default period); None for any other system."""
+    if key == "post-local-sgd":
+        return 0
+    if key.startswith(_H_SUFFIX) and key[len(_H_SUFFIX):].isdigit() and int(key[len(_H_SUFFIX):]) >= 1:
+        return int(key[len(_H_SUFFIX):])
+    return None
+
+
+def resolve(key: str) -> System | None:
+    """The system a ``--systems`` key names: one of SYSTEMS, or ``post-local-sgd-hN`` (post-local SGD
+    averaging every N steps, for the sweep of its period); None when unknown."""
+    if key in SYSTEMS:
+        return SYSTEMS[key]
+    h = averaging_period(key)
+    if not h:
+        return None
+    base = SYSTEMS["post-local-sgd"]
+    return System(key, f"{base.label} (H={h})", base.framework, base.needs, base.note)
+
+
+def is_local(key: str) -> bool:
+    return key in LOCAL_METHODS or averaging_period(key) is not None
 
 
 def availability(system: System, importer: Callable[[str], object] = importlib.import_module) -> str | None:

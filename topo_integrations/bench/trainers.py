@@ -21,8 +21,12 @@ __all__ = ["build", "lr_at_step"]
 # ---------------------------------------------------------------------------------------- helpers
 
 def lr_at_step(step: int, spec: dict) -> float:
-    """Linear warm-up to ``lr``, cosine decay to ``lr * min_lr_ratio`` (train.common.lr_at)."""
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``
+    (train.common.lr_at) or, ``lr_schedule: constant``, ``lr`` from then on (equal budgets)."""
     from ..train.common import lr_at
+
+    if spec.get("lr_schedule", "cosine") == "constant":
+        return spec["lr"] * min(1.0, (step + 1) / max(1, spec["warmup_steps"]))
 
     return lr_at(step, argparse.Namespace(warmup_steps=spec["warmup_steps"], train_steps=spec["steps"],
                                           lr=spec["lr"], min_lr_ratio=spec["min_lr_ratio"]))
@@ -114,7 +118,7 @@ class _PostLocalSGD(_Plain):
         groups = spec["groups"] or [[r] for r in range(world)]
         self.subgroup, _ = dist.new_subgroups_by_enumeration(groups)
         self.warmup = spec["localsgd_warmup"]
-        self.H = spec["reconcile_interval"] or LOCALSGD_PERIOD
+        self.H = spec.get("averaging_period") or spec["reconcile_interval"] or LOCALSGD_PERIOD
         self.net = DistributedDataParallel(self.model)
         self.state = PostLocalSGDState(process_group=None, subgroup=self.subgroup, start_localSGD_iter=self.warmup)
         self.net.register_comm_hook(self.state, post_localSGD_hook)
@@ -383,7 +387,7 @@ def build(spec: dict):
         return _DDP(spec)
     if key == "ddp-fp16":
         return _DDP(spec, hook="fp16")
-    if key == "post-local-sgd":
+    if key == "post-local-sgd" or spec.get("averaging_period"):  # post-local-sgd-hN: averaging_period N
         return _PostLocalSGD(spec)
     if key in ("topo-flat", "topo-hier", "topo-selective"):
         return _Reducer(spec, {"topo-flat": "flat", "topo-hier": "hierarchical", "topo-selective": "selective"}[key])

@@ -8,13 +8,19 @@ parameter exchange differs (systems.py; the systems themselves are in trainers.p
 Phases (communication in brackets):
   1. start the process group [rendezvous], build the system (its own set-up traffic: parameter
      broadcast, group creation...);
-  2. mark ``start`` [barrier; rank 0 asks the driver to read the interface counters and waits for its
-     answer; barrier];
-  3. ``steps`` training steps, each timed on every rank [the system's own collectives only: the loss
-     is kept locally];
-  4. mark ``end`` [as in 2], so the counters' difference holds the training steps and two barriers;
+  2. with ``eval_interval``: the validation loss of the untrained model (off the clock); mark ``start``
+     [barrier; rank 0 asks the driver to read the interface counters and waits for its answer;
+     barrier];
+  3. training steps, each timed on every rank [the system's own collectives only: the loss is kept
+     locally]: ``steps`` of them, or, with a ``budget_s``, as many as fit in the budget (with
+     ``equal_budget`` every rank agrees after each step on the slowest rank's clock [one scalar
+     all-reduce, off the clock]); every ``eval_interval`` steps a validation between marks
+     ``pause<k>`` and ``resume<k>`` [the driver leaves their bytes out; off the clock];
+  4. mark ``end`` [as in 2], so the counters' difference holds the training steps and the barriers;
+     the last point of the validation curve;
   5. the per-step losses of all ranks [one all-reduce], the validation loss of every rank's own
-     replica on the same fixed batches [one all-reduce]; rank 0 writes ``result.json``.
+     replica on the same fixed batches after the system's final reconciliation [one all-reduce];
+     rank 0 writes ``result.json``.
 """
 
 from __future__ import annotations
@@ -70,6 +76,43 @@ def _batches(path: str, rank: int, world: int, mb: int) -> tuple[int, callable]:
     return tokens.shape[0] // (world * mb), get
 
 
+def _eval_batches(sysm, spec: dict, val, world: int) -> float:
+    """Mean over ranks of each rank's loss on the held-out batches [one scalar all-reduce]."""
+    vals = []
+    for i in range(spec["eval_batches"]):
+        sl = slice(i * spec["micro_batch"], (i + 1) * spec["micro_batch"])
+        vals.append(sysm.eval_loss({"tokens": torch.from_numpy(val["tokens"][sl].astype(np.int64)),
+                                    "labels": torch.from_numpy(val["labels"][sl].astype(np.int64)),
+                                    "loss_mask": torch.from_numpy(val["loss_mask"][sl].astype(np.float32))}))
+    vt = torch.tensor([sum(vals) / len(vals)], dtype=torch.float64)
+    dist.all_reduce(vt)
+    return float(vt.item()) / world
+
+
+@torch.no_grad()
+def _validation(sysm, spec: dict, val, world: int) -> float:
+    """Validation loss along the run. A local method (replicas differ between groups) is evaluated
+    on the exact mean of the replicas [one fp32 all-reduce of the parameters], i.e. the model a
+    blocking reconciliation would give, and its replicas are then restored bit for bit, so the
+    evaluation leaves the training trajectory untouched (docs/benchmarks.md, "Long horizon")."""
+    if not spec.get("local_method"):
+        return _eval_batches(sysm, spec, val, world)
+    params = [p for p in sysm.model.parameters()]
+    saved = [p.detach().clone() for p in params]
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p in params:
+        p.data.copy_(flat[off:off + p.numel()].view_as(p))
+        off += p.numel()
+    try:
+        return _eval_batches(sysm, spec, val, world)
+    finally:
+        for p, s in zip(params, saved):
+            p.data.copy_(s)
+
+
 def run(spec: dict) -> dict | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
@@ -97,22 +140,46 @@ def run(spec: dict) -> dict | None:
     sysm = build(spec)
     t_build = time.perf_counter() - t_build
 
+    val = np.load(spec["val_npz"])
+    every = spec.get("eval_interval")
+    curve = [[0, _validation(sysm, spec, val, world)]] if every else []  # before the window: off the clock
     _mark("start", spec, rank)
     times, ends, losses = [], [], []
+    budget, cap, agree = spec.get("budget_s"), spec.get("max_steps") or spec["steps"], spec.get("equal_budget")
+    paused, stopped = 0.0, "steps"
     t0 = time.perf_counter()
-    for step in range(spec["steps"]):
+    for step in range(cap if budget is not None else spec["steps"]):
         sysm.set_lr(lr_at_step(step, spec))
         b = train(step)
         ts = time.perf_counter()
         loss = sysm.step(b)
         te = time.perf_counter()
         times.append(te - ts)
-        ends.append(te - t0)
+        ends.append(te - t0 - paused)
         losses.append(loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"step {step + 1}: loss is {loss}")
+        tp = time.perf_counter()
+        if agree:  # every rank stops after the same step: the slowest rank's clock decides
+            clock = torch.tensor([ends[-1]], dtype=torch.float64)
+            dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+            if budget is not None and float(clock) >= budget:
+                stopped = "budget"
+        if stopped != "budget" and every and (step + 1) % every == 0 and step + 1 < cap:
+            k = (step + 1) // every
+            _mark(f"pause{k}", spec, rank)  # the driver leaves this evaluation's bytes out
+            curve.append([step + 1, _validation(sysm, spec, val, world)])
+            _mark(f"resume{k}", spec, rank)
+        paused += time.perf_counter() - tp
+        if stopped == "budget":
+            break
+    else:
+        stopped = "steps" if budget is None else "max_steps"
     sysm.drain()
     _mark("end", spec, rank)
+    n = len(times)
+    if every and (not curve or curve[-1][0] != n):
+        curve.append([n, _validation(sysm, spec, val, world)])
 
     # Step times: the slowest rank's per step (a step is done when every rank is done with it).
     tt = torch.tensor(times, dtype=torch.float64)
@@ -122,21 +189,14 @@ def run(spec: dict) -> dict | None:
     lt = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(lt)
     lt /= world
-    info = {"steps": spec["steps"], **sysm.info()}  # before the final reconciliation (outside the window)
+    info = {"steps": n, **sysm.info()}  # before the final reconciliation (outside the window)
     sysm.before_eval()
-    val = np.load(spec["val_npz"])
-    vals = []
-    for i in range(spec["eval_batches"]):
-        sl = slice(i * spec["micro_batch"], (i + 1) * spec["micro_batch"])
-        vals.append(sysm.eval_loss({"tokens": torch.from_numpy(val["tokens"][sl].astype(np.int64)),
-                                    "labels": torch.from_numpy(val["labels"][sl].astype(np.int64)),
-                                    "loss_mask": torch.from_numpy(val["loss_mask"][sl].astype(np.float32))}))
-    vt = torch.tensor([sum(vals) / len(vals)], dtype=torch.float64)
-    dist.all_reduce(vt)
+    vt = _eval_batches(sysm, spec, val, world)
     result = {
         "system": spec["system"], "params": sysm.params, "world_size": world, "build_s": t_build,
         "step_times_s": tt.tolist(), "step_end_s": te.tolist(), "losses": lt.tolist(),
-        "val_loss": float(vt.item()) / world, "info": info,
+        "val_loss": vt, "info": info, "steps_taken": n, "stopped": stopped, "budget_s": budget,
+        "val_curve": [[k, float(te[k - 1]) if k else 0.0, v] for k, v in curve],
     }
     if rank == 0:
         with open(os.path.join(spec["out_dir"], "result.json.tmp"), "w", encoding="utf-8") as fh:
