@@ -7,6 +7,9 @@
   driver.py   builds the data once, starts the emulated cluster once, runs the systems one at a time,
               reads the interface counters around each run's training window
   report.py   summary statistics, time to target loss, the Markdown table and the PNG plots
+  presets.py  the emulated clusters and what a preset sets (2x2-long: the long-horizon comparison)
+  budget.py   equal wall-clock budgets and validation curves (time to a loss, where one curve is below)
+  longrun.py  the long-horizon report: time to flat quality, goal rows, validation-vs-time plot
 
 Uses the emulator (topo_integrations.emulate) and the topology; frameworks are imported only inside
 the worker processes.
