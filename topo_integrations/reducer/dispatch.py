@@ -107,7 +107,8 @@ class Dispatcher:
         self._chunk_s: float | None = None
         """EMA of one reconciliation chunk's time on the comm thread."""
         self._t_step_end: float | None = None
-        self._rc_launches = 0
+        self._window_plans = 0
+        self._window_k = 0
         self.last_window_chunks: tuple[int, int] | None = None
         """(chunks released into the pre-SYNC window, chunks) of the latest asynchronous reconciliation."""
         self.reconcile_release = "window"
@@ -193,8 +194,8 @@ class Dispatcher:
         order and fail fast). The first ``k`` chunks go now, into the window before the next step's
         first SYNC bucket, where no SYNC reduction can be pending; the rest is held until every bucket
         of the next step is submitted. ``k`` is the number of chunks that fit the window, from the
-        measured window and chunk times agreed over the DP group (one MAX all-reduce of two scalars,
-        at the same position on every rank); 0 at the first reconciliation (nothing measured yet)."""
+        measured window and chunk times agreed over the DP group (:meth:`plan_window`, which the engine
+        calls on every rank before); 0 at the first reconciliation (nothing measured yet)."""
         items = [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c, reconcile=True)
                  for i, c in enumerate(chunks)]
         if not items:
@@ -206,12 +207,30 @@ class Dispatcher:
         if self.reconcile_release == "launch":
             self._release(items)
             return items[-1].future
-        k = self._window_chunks() if self._rc_launches > 0 and self.reconcile_release == "window" else 0
-        self._rc_launches += 1
-        self.last_window_chunks = (k, len(items))
+        k, self._window_k = self._window_k, 0
+        self.last_window_chunks = (min(k, len(items)), len(items))
         self._release(items[:k])
         self._held_reconcile.extend(items[k:])
         return items[-1].future
+
+    def run_reconcile(self, chunks: list[Callable[[], None]], what: str) -> None:
+        """A blocking reconciliation: the chunks go now (after anything released) and are waited for."""
+        items = [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c)
+                 for i, c in enumerate(chunks)]
+        self._release(items)
+        for it in items:
+            self.wait(it.future)
+
+    def plan_window(self) -> None:
+        """How many chunks of the coming asynchronous reconciliation go at once (into the window
+        before the next step's first SYNC bucket). The engine calls it on every rank at every
+        asynchronous reconciliation step, whatever this rank has to send (a collective over the DP
+        group from the second call on: the first has nothing measured)."""
+        if self.reconcile_release != "window":
+            self._window_k = 0
+            return
+        self._window_k = self._window_chunks() if self._window_plans > 0 else 0
+        self._window_plans += 1
 
     def _window_chunks(self) -> int:
         """Chunks that fit in the pre-SYNC window on every rank: floor(0.8 * min window / max chunk)."""
@@ -225,11 +244,6 @@ class Dispatcher:
         if not (chunk > 0 and math.isfinite(chunk)) or window <= 0:
             return 0
         return int(0.8 * window / chunk)
-
-    def run_reconcile(self, chunks: list[Callable[[], None]], what: str) -> None:
-        """A blocking reconciliation: the chunks go now (after anything held) and are waited for."""
-        fut = self.submit_reconcile(chunks, what)
-        self.wait(fut)
 
     def drain(self) -> None:
         """Wait until every released item is done (held ones stay held)."""

@@ -291,6 +291,7 @@ class Engine(ReconcileMixin):
                     # carries identical optimizer state.
                     self._reconcile_blocking(source, moments=refresh or promote)
                 else:
+                    self.dispatcher.plan_window()  # every rank, whatever it has to send
                     self._reconcile_async(source)
                 did = True
                 if refresh:
