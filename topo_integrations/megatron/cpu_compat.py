@@ -15,7 +15,7 @@ makes each of them work on CPU:
 * the MoE router's missing TransformerEngine name is defined (as None, i.e. "no TE").
 
 :func:`apply_training` does the same for Megatron-LM's training code (``megatron.training``, what
-``pretrain_gpt.py`` runs; research/megatron-lm-cpu.md lists each call site): ``initialize_megatron``
+``pretrain_gpt.py`` runs; docs/megatron.md lists what it changes): ``initialize_megatron``
 runs without the "Megatron requires CUDA" assertion and with one visible "device" while it sets up
 the model-parallel groups and the RNG tracker (it skips both when ``device_count()`` is 0), the
 dataset helpers are not rebuilt with ``make`` when the wheel's prebuilt ``helpers_cpp`` imports,
