@@ -72,7 +72,7 @@ def test_megatron_lm_parser_accepts_every_flag_and_rejects_bad_values():
         sys.argv = ['pretrain_gpt.py', '--num-layers', '2', '--topo-align', '--topo-align-mode', 'selective',
                     '--topo-align-topology', 'topo.json', '--topo-align-sync-last-n-layers', '3',
                     '--topo-align-top-fraction', '0.2', '--topo-align-reconcile-interval', '8',
-                    '--topo-align-async-reconcile', '--topo-align-inter-dtype', 'bf16',
+                    '--topo-align-async-reconcile', '--topo-align-inter-dtype', 'fp32',
                     '--topo-align-local-dtype', 'fp32', '--topo-align-importance', 'magnitude']
         on = arguments.parse_args()
         sys.argv = ['pretrain_gpt.py', '--num-layers', '2']
@@ -91,7 +91,7 @@ def test_megatron_lm_parser_accepts_every_flag_and_rejects_bad_values():
     assert on["sync"]["last_n_layers"] == 3 and on["sync"]["top_fraction"] == 0.2
     assert {k: on["local"][k] for k in ("dtype", "reconcile_interval", "async_reconcile")} == \
         {"dtype": "fp32", "reconcile_interval": 8, "async_reconcile": True}
-    assert on["communication"]["inter_dtype"] == "bf16" and on["importance"]["method"] == "magnitude"
+    assert on["communication"]["inter_dtype"] == "fp32" and on["importance"]["method"] == "magnitude"
     assert out.stderr.strip().splitlines()[-1] == \
         "pretrain_gpt.py: error: argument --topo-align-top-fraction: got '2'; expected a number in [0, 1]"
 
@@ -159,7 +159,7 @@ FLAG_HELP = {
     "--topo-align-top-fraction": "selective: fraction of gradient elements",
     "--topo-align-reconcile-interval": "selective: average LOCAL parameters across groups every H",
     "--topo-align-async-reconcile": "selective: overlap reconciliation with the next steps",
-    "--topo-align-inter-dtype": "Wire dtype across groups (slow tier): fp32, bf16, fp16.",
+    "--topo-align-inter-dtype": "hierarchical: wire dtype across groups (slow tier): fp32, bf16, fp16",
     "--topo-align-local-dtype": "selective: wire dtype of LOCAL gradients inside a group",
     "--topo-align-importance": "selective: importance score: fisher, hutchinson, magnitude.",
 }
