@@ -137,7 +137,8 @@ REFUSED = [
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("stage, mode, sections, extra, message", REFUSED,
-                         ids=["bucket_size_mb", "overlap", "local.dtype-bf16", "local.dtype-fp32", "middle_level-zero3"])
+                         ids=["bucket_size_mb", "overlap", "local.dtype-bf16", "local.dtype-fp32",
+                              "middle_level-zero3"])
 def test_refused_key_names_key_adapter_and_instead(stage, mode, sections, extra, message):
     # initialize refuses before DeepSpeed builds anything (no process group is needed to get here).
     with pytest.raises(UnsupportedConfigError) as exc:
