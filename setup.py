@@ -5,7 +5,9 @@ from setuptools import find_packages, setup
 # Ranges users need; the exact versions CI tests are pinned in constraints.txt.
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.17,<0.20"],
-    "megatron": ["megatron-core>=0.16,<0.18"],
+    # six and PyYAML: imported at import time by Megatron-LM's training code (pretrain_gpt.py;
+    # docs/megatron.md), which users bring; megatron-core itself needs neither.
+    "megatron": ["megatron-core>=0.16,<0.18", "six>=1.16", "PyYAML>=6.0"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",

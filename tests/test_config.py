@@ -121,3 +121,16 @@ def test_with_overrides():
     assert (cfg.local.reconcile_interval, cfg.mode) == (8, "flat")
     with pytest.raises(ConfigError, match=r"unknown field 'local.interval'"):
         TopoAlignConfig().with_overrides({"local.interval": 8})
+
+
+def test_inter_dtype_set_in_selective_is_refused_and_its_default_is_not():
+    from topo_integrations.config import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        TopoAlignConfig.from_block({"mode": "selective", "communication": {"inter_dtype": "fp16"}})
+    assert str(exc.value) == (
+        "topo_align: communication.inter_dtype = 'fp16' has no effect in mode 'selective' (the SYNC hop across "
+        "groups uses sync.dtype, LOCAL gradients stay inside the group); set sync.dtype instead, or use mode "
+        "'hierarchical'")
+    assert TopoAlignConfig.from_block({"communication": {"inter_dtype": "fp32"}}).mode == "selective"
+    assert TopoAlignConfig.from_block({"mode": "hierarchical", "communication": {"inter_dtype": "fp16"}})

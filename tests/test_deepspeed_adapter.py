@@ -128,12 +128,17 @@ REFUSED = [
      "at ZeRO-1/2 `selective` DeepSpeed reduces the LOCAL gradients inside the island itself, in its "
      "communication dtype (fp32); remove local.dtype (or set it to 'fp32'), or set DeepSpeed's "
      "communication_data_type to 'bf16'"),
+    (3, "hierarchical", {"topology": {"source": "hostnames", "middle_level": True}}, {},
+     "topo_align.topology.middle_level = True is not supported by the DeepSpeed adapter (mode 'hierarchical', "
+     "ZeRO stage 3): the adapter's ZeRO-3 reduce-scatter has two levels (island, rail); remove "
+     "topology.middle_level, or use ZeRO stage 0-2 for three levels"),
 ]
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("stage, mode, sections, extra, message", REFUSED,
-                         ids=["bucket_size_mb", "overlap", "local.dtype-bf16", "local.dtype-fp32"])
+                         ids=["bucket_size_mb", "overlap", "local.dtype-bf16", "local.dtype-fp32",
+                              "middle_level-zero3"])
 def test_refused_key_names_key_adapter_and_instead(stage, mode, sections, extra, message):
     # initialize refuses before DeepSpeed builds anything (no process group is needed to get here).
     with pytest.raises(UnsupportedConfigError) as exc:
@@ -143,7 +148,8 @@ def test_refused_key_names_key_adapter_and_instead(stage, mode, sections, extra,
 
 @pytest.mark.timeout(30)
 def test_refuse_table_only_refuses_what_the_user_set():
-    assert {r.key for r in KEY_REFUSALS} == {"communication.bucket_size_mb", "communication.overlap", "local.dtype"}
+    assert {r.key for r in KEY_REFUSALS} == {"communication.bucket_size_mb", "communication.overlap", "local.dtype",
+                                             "topology.middle_level"}
     # Defaults (bucket_size_mb 25, overlap true, local.dtype fp16) are never refused ...
     block = {"enabled": True, "mode": "selective", "topology": {"source": "hostnames"}}
     check_supported(H.ds_config(2, bf16={"enabled": True}), TopoAlignConfig.from_block(block))

@@ -1,63 +1,62 @@
-"""topo-align against Megatron-LM's own training code (``megatron.training``, not in the wheel).
+"""topo-align against Megatron-LM's own training code (``megatron.training``, not in the wheel), one
+process per test: the parser (flags, ``--help``, bad values), install()/uninstall(), the launcher,
+the version gate on the seams install() patches, and the source patch applying to core_v0.16.1.
+The multi-rank runs of ``pretrain_gpt.py`` are in tests/test_megatron_lm_train.py.
 
-Needs a Megatron-LM checkout at tag core_v0.16.1: set ``TOPO_ALIGN_MEGATRON_LM=/path/to/Megatron-LM``
-(e.g. ``git -C Megatron-LM archive core_v0.16.1 | tar -x -C /tmp/mlm``). Skipped otherwise.
-
-Megatron-LM imports a few packages only for tokenizers/YAML (``six``, ``regex``, ``yaml``) and
-triton kernels; where they are missing, import-only stand-ins are put in ``sys.modules`` in the
-child process (nothing they provide is called on these paths).
+The Megatron-LM tree: ``MEGATRON_LM=DIR``, else the vendored tarball unpacked into ``.cache/``
+(tests/_megatron_lm_tree.py); skipped only when there is none. Modules Megatron-LM imports at import
+time whose packages have no CPU build (triton) or are not needed here (regex) get the CPU layer's
+import stand-ins (``cpu_compat.stub_absent_imports``), which raise if used.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from _megatron_lm_tree import SKIP_REASON, megatron_lm_tree
 
-MLM = os.environ.get("TOPO_ALIGN_MEGATRON_LM")
+MLM = megatron_lm_tree()
 PATCH = os.path.join(
     os.path.dirname(__file__), "..", "patches", "megatron-lm", "0001-ddp-impl-and-extra-args-chain.patch"
 )
 
-pytestmark = pytest.mark.skipif(not MLM or not os.path.isdir(os.path.join(MLM or "", "megatron", "training")),
-                                reason="set TOPO_ALIGN_MEGATRON_LM to a Megatron-LM checkout (tag core_v0.16.1)")
+pytestmark = pytest.mark.skipif(MLM is None, reason=SKIP_REASON)
 
 BOOTSTRAP = textwrap.dedent("""
-    import importlib, sys, types
-    class _Stub(types.ModuleType):
-        def __getattr__(self, k):
-            if k.startswith('__'):
-                raise AttributeError(k)
-            return lambda *a, **kw: None
-    def _stub(name):
-        m = _Stub(name); m.__path__ = []; sys.modules[name] = m
-    for name in ('six', 'regex', 'yaml'):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            _stub(name)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        _stub('megatron.core.transformer.custom_layers.batch_invariant_kernels')
+    from topo_integrations.megatron import cpu_compat
+    cpu_compat.stub_absent_imports()
 """)
 
 
+def _env(tree: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]),
+                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
 def _run(code: str, *, cwd=None):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MLM, os.environ.get("PYTHONPATH", "")]),
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", BOOTSTRAP + textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=280)
+                          text=True, env=_env(MLM), cwd=cwd, timeout=280)
+
+
+def _launch(tree: str, *args: str):
+    """``python -m topo_integrations.megatron TREE/pretrain_gpt.py ARGS`` (what a user types)."""
+    return subprocess.run([sys.executable, "-m", "topo_integrations.megatron", os.path.join(tree, "pretrain_gpt.py"),
+                           *args], capture_output=True, text=True, env=_env(tree), timeout=280)
 
 
 @pytest.mark.timeout(120)
 def test_patch_applies_to_core_v0_16_1():
+    # The unpacked tree may sit inside this checkout (.cache/): stop git from finding the project's
+    # repository above it, so the patch's paths are read relative to the tree.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(os.path.abspath(MLM)))
     out = subprocess.run(["git", "apply", "--check", "-v", os.path.abspath(PATCH)], cwd=MLM,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     for f in ("megatron/training/arguments.py", "megatron/training/training.py", "pretrain_gpt.py"):
         assert f"Checking patch {f}..." in out.stderr + out.stdout
@@ -73,7 +72,7 @@ def test_megatron_lm_parser_accepts_every_flag_and_rejects_bad_values():
         sys.argv = ['pretrain_gpt.py', '--num-layers', '2', '--topo-align', '--topo-align-mode', 'selective',
                     '--topo-align-topology', 'topo.json', '--topo-align-sync-last-n-layers', '3',
                     '--topo-align-top-fraction', '0.2', '--topo-align-reconcile-interval', '8',
-                    '--topo-align-async-reconcile', '--topo-align-inter-dtype', 'bf16',
+                    '--topo-align-async-reconcile', '--topo-align-inter-dtype', 'fp32',
                     '--topo-align-local-dtype', 'fp32', '--topo-align-importance', 'magnitude']
         on = arguments.parse_args()
         sys.argv = ['pretrain_gpt.py', '--num-layers', '2']
@@ -92,7 +91,7 @@ def test_megatron_lm_parser_accepts_every_flag_and_rejects_bad_values():
     assert on["sync"]["last_n_layers"] == 3 and on["sync"]["top_fraction"] == 0.2
     assert {k: on["local"][k] for k in ("dtype", "reconcile_interval", "async_reconcile")} == \
         {"dtype": "fp32", "reconcile_interval": 8, "async_reconcile": True}
-    assert on["communication"]["inter_dtype"] == "bf16" and on["importance"]["method"] == "magnitude"
+    assert on["communication"]["inter_dtype"] == "fp32" and on["importance"]["method"] == "magnitude"
     assert out.stderr.strip().splitlines()[-1] == \
         "pretrain_gpt.py: error: argument --topo-align-top-fraction: got '2'; expected a number in [0, 1]"
 
@@ -106,7 +105,8 @@ def test_install_swaps_ddp_only_with_the_flag_and_uninstall_restores():
         from topo_integrations.megatron import install, uninstall
         real_get_model = training.get_model
         seen = []
-        def probe(*a, **k):  # stands in for get_model's body: records what `DP = DDP` would pick
+        def probe(model_provider_func=None, model_type=None, wrap_with_ddp=True, **k):
+            # stands in for get_model's body (same leading parameters: the version gate checks them)
             fields = __import__('dataclasses').fields(training.DistributedDataParallelConfig)
             seen.append((training.DDP.__name__, training.DistributedDataParallelConfig.__name__,
                          [f.name for f in fields][-2:]))
@@ -148,3 +148,49 @@ def test_launcher_runs_an_entry_script_with_the_flags(tmp_path):
     out = _run(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"MODE hierarchical ARGV0 {script}" in out.stdout
+
+
+FLAG_HELP = {
+    "--topo-align": "Reduce gradients with topo-align (TopoAlignDDP).",
+    "--topo-align-config": 'JSON file holding the "topo_align" block',
+    "--topo-align-mode": "Reduction mode: flat, hierarchical, selective.",
+    "--topo-align-topology": "JSON topology file (sets topology.source to 'file').",
+    "--topo-align-sync-last-n-layers": "selective: the last N transformer layers are reduced globally",
+    "--topo-align-top-fraction": "selective: fraction of gradient elements",
+    "--topo-align-reconcile-interval": "selective: average LOCAL parameters across groups every H",
+    "--topo-align-async-reconcile": "selective: overlap reconciliation with the next steps",
+    "--topo-align-inter-dtype": "hierarchical: wire dtype across groups (slow tier): fp32, bf16, fp16",
+    "--topo-align-local-dtype": "selective: wire dtype of LOCAL gradients inside a group",
+    "--topo-align-importance": "selective: importance score: fisher, hutchinson, magnitude.",
+}
+
+
+@pytest.mark.timeout(300)
+def test_pretrain_gpt_help_lists_the_flags_and_a_bad_value_is_one_line():
+    out = _launch(MLM, "--help")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = " ".join(out.stdout.split())  # argparse wraps help text
+    for flag, help_text in FLAG_HELP.items():
+        assert f"{flag} " in text and help_text in text, flag
+    bad = _launch(MLM, "--topo-align", "--topo-align-mode", "fastest")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == ("pretrain_gpt.py: error: argument --topo-align-mode: got "
+                                                   "'fastest'; expected one of flat, hierarchical, selective")
+
+
+@pytest.mark.timeout(300)
+def test_a_megatron_lm_whose_seam_differs_is_refused_at_start(tmp_path):
+    """The version gate: save_checkpoint with another first parameter (as a newer Megatron-LM could
+    have) ends the start with one line naming the seam, both signatures and the supported version."""
+    tree = shutil.copytree(MLM, tmp_path / "megatron-lm", symlinks=True)
+    ckpt = tree / "megatron" / "training" / "checkpointing.py"
+    src = ckpt.read_text()
+    assert src.count("def save_checkpoint(iteration, model,") == 1
+    ckpt.write_text(src.replace("def save_checkpoint(iteration, model,", "def save_checkpoint(step, model,"))
+    out = _launch(str(tree), "--topo-align")
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("topo-align: Megatron-LM's megatron.training.training.save_checkpoint(step, model, ")
+    assert line.endswith("does not match the signature topo-align was written for (iteration, model, optimizer, "
+                         "...), needed for reconciling before a save and saving the plugin state; refusing to "
+                         "patch it. Supported: Megatron-LM tag core_v0.16.1 (megatron-core 0.16.x)")

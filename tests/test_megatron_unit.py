@@ -301,3 +301,17 @@ def test_shipped_megatron_configs_parse(name):
     p.add_argument("--clip-grad", type=float)
     cfg = p.parse_args(argv).topo_align_resolved
     assert cfg.mode == name.split(".")[0].split("-")[0]
+
+
+@pytest.mark.timeout(30)
+def test_inter_dtype_in_selective_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["--topo-align", "--topo-align-inter-dtype", "bf16"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --topo-align flags: topo_align: communication.inter_dtype = 'bf16' has no effect "
+        "in mode 'selective' (the SYNC hop across groups uses sync.dtype, LOCAL gradients stay inside the group); "
+        "set sync.dtype instead, or use mode 'hierarchical' (set by --topo-align-inter-dtype)")
+    cfg = _parser().parse_args(["--topo-align", "--topo-align-mode", "hierarchical", "--topo-align-inter-dtype",
+                                "bf16"]).topo_align_resolved
+    assert cfg.communication.inter_dtype == "bf16"

@@ -254,6 +254,19 @@ class TopoAlignConfig(_Section):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     """Statistics logging."""
 
+    @model_validator(mode="after")
+    def _inter_dtype_has_an_effect(self) -> TopoAlignConfig:
+        # In `selective` every adapter's engine sends SYNC across groups in sync.dtype and keeps
+        # LOCAL inside the island: an explicit other inter_dtype would be accepted and ignored.
+        comm = self.communication
+        if self.mode == "selective" and "inter_dtype" in comm.model_fields_set and \
+                comm.inter_dtype != CommunicationConfig().inter_dtype:
+            raise ValueError(
+                f"communication.inter_dtype = {comm.inter_dtype!r} has no effect in mode 'selective' (the SYNC "
+                "hop across groups uses sync.dtype, LOCAL gradients stay inside the group); set sync.dtype "
+                "instead, or use mode 'hierarchical'")
+        return self
+
     def explicit_keys(self) -> set[str]:
         """Dotted names of the keys the user set (``"local.async_reconcile"``), from pydantic's
         ``model_fields_set``: an adapter refuses a key it cannot honour only when it was set, so the
@@ -383,7 +396,9 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "topo_align")
         if len(shown) > 60:
             shown = shown[:57] + "..."
         msg = err.get("msg", "invalid")
-        if err.get("type") == "extra_forbidden":
+        if err.get("type") == "value_error" and not loc:  # a check across sections names its keys itself
+            parts.append(f"{field}: {msg.removeprefix('Value error, ')}")
+        elif err.get("type") == "extra_forbidden":
             parts.append(f"{field}: unknown key (value {shown}); see `topo-align schema` for the accepted keys")
         else:
             parts.append(f"{field}: got {shown}; {msg}")

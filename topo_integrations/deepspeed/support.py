@@ -80,6 +80,10 @@ KEY_REFUSALS: tuple[KeyRefusal, ...] = (
                          f"in its communication dtype ({ds_communication_dtype(ds)})"),
         lambda ds, cfg: (f"remove local.dtype (or set it to '{ds_communication_dtype(ds)}'), or set DeepSpeed's "
                          f"communication_data_type to '{cfg.local.dtype}'")),
+    KeyRefusal(
+        "topology.middle_level", lambda ds, cfg: cfg.topology.middle_level and zero_stage(ds) == 3,
+        lambda ds, cfg: "the adapter's ZeRO-3 reduce-scatter has two levels (island, rail)",
+        lambda ds, cfg: "remove topology.middle_level, or use ZeRO stage 0-2 for three levels"),
 )
 """Every ``topo_align`` key the DeepSpeed adapter refuses, and when (docs/deepspeed.md, "Keys")."""
 

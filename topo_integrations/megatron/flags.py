@@ -119,7 +119,8 @@ def add_topo_align_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--topo-align-async-reconcile", action=argparse.BooleanOptionalAction, default=None,
                    help="selective: overlap reconciliation with the next steps (--no-... turns it off).")
     g.add_argument("--topo-align-inter-dtype", type=_choice(DTYPES), default=None, metavar="DTYPE",
-                   help=f"Wire dtype across groups (slow tier): {', '.join(DTYPES)}.")
+                   help=f"hierarchical: wire dtype across groups (slow tier): {', '.join(DTYPES)} "
+                        "(selective sends SYNC across groups in sync.dtype; another value is refused).")
     g.add_argument("--topo-align-local-dtype", type=_choice(DTYPES), default=None, metavar="DTYPE",
                    help=f"selective: wire dtype of LOCAL gradients inside a group: {', '.join(DTYPES)}.")
     g.add_argument("--topo-align-importance", type=_choice(IMPORTANCE_METHODS), default=None, metavar="METHOD",
@@ -157,7 +158,10 @@ def config_from_args(args: Any) -> TopoAlignConfig | None:
     try:
         return base.with_overrides(overrides)
     except ConfigError as exc:
-        raise TopoAlignFlagError(f"--topo-align flags: {exc}") from None
+        named = [f"--{d.replace('_', '-')}" for d, f in FLAG_FIELDS.items()
+                 if getattr(args, d, None) is not None and f"{f} =" in str(exc)]
+        by = f" (set by {', '.join(named)})" if named else ""
+        raise TopoAlignFlagError(f"--topo-align flags: {exc}{by}") from None
 
 
 def _resolve_after_parsing(parser: argparse.ArgumentParser) -> None:

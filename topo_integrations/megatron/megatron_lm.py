@@ -20,13 +20,16 @@ enough (docs/megatron.md, "Three ways in") and no Megatron-LM file is edited:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
 
 import torch
 
+from .compat import INSTALL_SEAMS, check_seams
 from .ddp import TopoAlignDDP, prepare_checkpoint, prepare_optimizer
 from .flags import RESOLVED_ATTR, add_topo_align_args
 
@@ -86,12 +89,14 @@ def install() -> None:
     """Patch Megatron-LM's training package in this process (flags, model, optimizer, checkpoints).
 
     Raises ImportError with a clear message when ``megatron.training`` (Megatron-LM's training
-    code, not part of the megatron-core wheel) cannot be imported.
+    code, not part of the megatron-core wheel) cannot be imported, and `MegatronLMVersionError`
+    (naming the seam and the supported versions) when a function it patches has another signature.
     """
     global TopoAlignDDPConfig
     arguments, training = _import_training()
     if (training, "get_model") in _saved:
         return
+    check_seams(INSTALL_SEAMS)
     if TopoAlignDDPConfig is None:
         TopoAlignDDPConfig = _ddp_config_cls()
     cfg_cls = TopoAlignDDPConfig
@@ -100,9 +105,11 @@ def install() -> None:
     stock_cfg = training.DistributedDataParallelConfig
     orig_get_model = training.get_model
 
+    @functools.wraps(orig_add)
     def add_megatron_arguments(parser):
         return add_topo_align_args(orig_add(parser))
 
+    @functools.wraps(orig_get_model)
     def get_model(*args, **kwargs):
         on = getattr(training.get_args(), RESOLVED_ATTR, None) is not None
         training.DDP = TopoAlignDDP if on else stock_ddp
@@ -127,14 +134,17 @@ def install_runtime() -> None:
     orig_save = training.save_checkpoint
     orig_load = training.load_checkpoint
 
+    @functools.wraps(orig_get_opt)
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
         return prepare_optimizer(orig_get_opt(config, model_chunks, *args, **kwargs), model_chunks)
 
+    @functools.wraps(orig_save)
     def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
         states = None
         if any(isinstance(m, TopoAlignDDP) and m.topo_active for m in _chunks(model)) and optimizer is not None:
             states = prepare_checkpoint(_chunks(model), optimizer)  # reconcile first: replica 0 is complete
-        out = orig_save(iteration, model, optimizer, *args, **kwargs)
+        with _plain_resolved_config(training.get_args()):
+            out = orig_save(iteration, model, optimizer, *args, **kwargs)
         if states is not None:
             save_dir = getattr(training.get_args(), "save", None)
             if save_dir:
@@ -143,6 +153,7 @@ def install_runtime() -> None:
                 torch.save(states, path)
         return out
 
+    @functools.wraps(orig_load)
     def load_checkpoint(ddp_model, optimizer, *args, **kwargs):
         out = orig_load(ddp_model, optimizer, *args, **kwargs)
         chunks = [m for m in _chunks(ddp_model) if isinstance(m, TopoAlignDDP) and m.topo_active]
@@ -162,6 +173,23 @@ def install_runtime() -> None:
     _patch(training, "get_megatron_optimizer", get_megatron_optimizer)
     _patch(training, "save_checkpoint", save_checkpoint)
     _patch(training, "load_checkpoint", load_checkpoint)
+
+
+@contextlib.contextmanager
+def _plain_resolved_config(args):
+    """Megatron-LM pickles ``args`` into the checkpoint and reads it back with ``torch.load(...,
+    weights_only=True)``, which refuses the pydantic `TopoAlignConfig`: during a save the namespace
+    holds the config as a plain dict (kept in the checkpoint for inspection; a resumed run parses its
+    own flags)."""
+    cfg = getattr(args, RESOLVED_ATTR, None)
+    if cfg is None or isinstance(cfg, dict):
+        yield
+        return
+    setattr(args, RESOLVED_ATTR, cfg.model_dump(mode="json"))
+    try:
+        yield
+    finally:
+        setattr(args, RESOLVED_ATTR, cfg)
 
 
 def uninstall() -> None:

@@ -18,7 +18,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..reducer.engine import ReconcileItem
 
@@ -147,7 +146,7 @@ def prepare_optimizer(optimizer, model_chunks) -> Any:
     if not chunks or getattr(optimizer, "_topo_prepared", False):
         return optimizer
     if any(m.topo_config.mode == "selective" for m in chunks):
-        make_grad_stats_global(optimizer)
+        make_grad_stats_global(optimizer, chunks[0].topo_engines[0])
     original_step = optimizer.step
 
     def step(*args, **kwargs):
@@ -177,24 +176,26 @@ def prepare_checkpoint(model_chunks, optimizer) -> list[dict]:
     return out
 
 
-def make_grad_stats_global(optimizer) -> None:
-    """Gradient statistics over the whole job, norm divided by sqrt(replicas) (docs/megatron.md,
-    "Optimizer"): each sub-optimizer's ``grad_stats_parallel_group`` becomes the world, and with
-    r = world / old group size the SYNC entries are counted r times and each group's LOCAL entries
-    once, so ``norm / sqrt(r)`` is ``sqrt(|g_SYNC|^2 + mean_k |g_LOCAL,k|^2)``."""
+def make_grad_stats_global(optimizer, engine) -> None:
+    """Gradient statistics over the whole job (docs/megatron.md, "Optimizer"): each sub-optimizer's
+    ``grad_stats_parallel_group`` becomes the world (found-inf/skip and zero counts agree), and the
+    clipping norm is the engine's global norm (`Engine.global_grad_norm_sq`, the one every adapter
+    uses): Megatron's own norm over its stock group (the model-parallel group with plain DDP, the
+    optimizer instance = island with the distributed optimizer) squared, then averaged over the
+    data-parallel ranks (resp. the islands), i.e. ``sqrt(|g_SYNC|^2 + mean_k |g_LOCAL,k|^2)``."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 
-    world = dist.get_world_size()
     subs = sub_optimizers(optimizer)
     for sub in subs:
-        old = sub.get_grad_stats_parallel_group()
-        old_size = dist.get_world_size(old) if old is not None else world
-        replicas = world / old_size
+        stock_group = sub.get_grad_stats_parallel_group()
+        over = "inter" if is_distopt(sub) else "dp"  # the instance already agrees inside an island
         sub.grad_stats_parallel_group = None  # None = the world, in megatron-core's collectives
 
-        def get_grad_norm(sub=sub, replicas=replicas):
+        def get_grad_norm(sub=sub, group=stock_group, over=over):
             grads = sub.get_main_grads_for_grad_norm() if sub.get_parameters() else []
-            return get_grad_norm_fp32(grads, grad_stats_parallel_group=None) / math.sqrt(replicas)
+            local = get_grad_norm_fp32(grads, grad_stats_parallel_group=group)
+            sq = engine.global_grad_norm_sq(torch.tensor([float(local) ** 2], dtype=torch.float64), over=over)
+            return math.sqrt(float(sq.item()))
 
         def clip_grad_norm(clip_grad, sub=sub, get_grad_norm=get_grad_norm):
             norm = get_grad_norm()

@@ -405,6 +405,14 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
             result = plan_groups(topo, group_by=cfg.topology.group_by,
                                  min_tier_ratio=cfg.topology.min_tier_ratio,
                                  middle_level=cfg.topology.middle_level)
+            if cfg.topology.middle_level and result.hierarchical and not result.middle_level:
+                # Asked for three levels, the topology cannot give them: refuse rather than run two.
+                why = "; ".join(n.split(": using 2 levels")[0] for n in result.notes if "middle_level" in n) \
+                    or "no leaf tier"
+                raise ValueError(
+                    f"topology.middle_level = true cannot be honoured with topology.source = "
+                    f"{cfg.topology.source!r} ({why}); give a topology with leaf switches (e.g. source 'file' "
+                    "or 'slurm') or remove the key")
         except (TopologyError, ValueError) as exc:
             kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
             payload = [("error", kind, str(exc))]

@@ -315,8 +315,15 @@ class GroupedReducer:
     def after_optimizer_step(self, optimizer=None) -> None:
         """Count the step; in `selective` apply a pending asynchronous correction, reconcile when due
         (LOCAL parameters and the optimizer state of their shape), re-rank the classes when a refresh
-        is due. Collective over the DP group on reconciliation steps (same steps on every rank)."""
+        is due. Collective over the DP group on reconciliation steps (same steps on every rank).
+        Every ``monitor.log_interval`` steps DP position 0 logs one statistics line."""
         self.engine.after_step(self._source(optimizer), optimizer)
+        e = self.engine
+        if e.step % self.cfg.monitor.log_interval == 0 and e.groups.position == 0:
+            st = e.stats()
+            log.info("topo_align: GroupedReducer step %d: %s, SYNC %.1f%% of elements, %d reconciliations, "
+                     "bytes this step %s", e.step, st["mode"], 100 * st["sync_fraction"], st["reconciles"],
+                     st["step"]["bytes"])
 
     def reconcile(self, optimizer=None, blocking: bool = True) -> None:
         """Force a full reconciliation now (before evaluation or saving): applies a pending

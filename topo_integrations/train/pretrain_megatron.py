@@ -313,8 +313,14 @@ def main(argv: list[str] | None = None) -> int:
         if i + 1 >= len(argv):
             common.fail("--megatron-lm needs the path of a Megatron-LM checkout")
         ns = argparse.Namespace(megatron_lm=argv[i + 1])
+        rest = argv[:i] + argv[i + 2:]
         try:
-            return run_megatron_lm(ns, argv[:i] + argv[i + 2:])
+            if "--check-args" in rest:  # the flags are Megatron-LM's to check; only the tree is ours
+                if not os.path.isfile(os.path.join(ns.megatron_lm, "pretrain_gpt.py")):
+                    raise UsageError(f"--megatron-lm {ns.megatron_lm!r}: no pretrain_gpt.py there; give a "
+                                     "Megatron-LM checkout")
+                return 0
+            return run_megatron_lm(ns, rest)
         except UsageError as exc:
             common.fail(str(exc))
     return common.run_main(build_parser().parse_args(argv), check, run)

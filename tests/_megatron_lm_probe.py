@@ -1,0 +1,108 @@
+"""Rank entry of tests/test_megatron_lm_train.py: Megatron-LM's own ``pretrain_gpt.py`` through the
+project's launcher (``topo_integrations.megatron.__main__.main``), with a probe around two of
+Megatron-LM's functions that records what the tests assert on. Started by torchrun:
+
+    torchrun --nproc-per-node 4 tests/_megatron_lm_probe.py OUT_DIR pretrain_gpt.py ARGS...
+
+The probe never changes what the run computes; it only reads parameters and gathers them:
+
+* after every ``train_step``: each rank's parameters are all-gathered and rank 0 writes one JSON
+  line to ``OUT_DIR/steps.jsonl``: iteration, whether the 2 islands (ranks 0-1, 2-3) hold bitwise
+  equal parameters inside, whether every rank does, whether every SYNC parameter does, and the
+  engine's reconciliation count; at ``--train-iters`` every rank saves its parameters to
+  ``OUT_DIR/params_rankR.pt``;
+* inside ``save_checkpoint`` (after the plugin's reconciliation, before Megatron writes): whether
+  every rank holds the same parameters (``OUT_DIR/saves.jsonl``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    chunk = model[0] if isinstance(model, (list, tuple)) else model
+    return {n: p.detach().float().clone() for n, p in chunk.module.named_parameters()}
+
+
+def _gathered(params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
+
+
+def _same(flats: list[torch.Tensor], ranks, sl=slice(None)) -> bool:
+    return all(torch.equal(flats[ranks[0]][sl], flats[r][sl]) for r in ranks[1:])
+
+
+def _write(path: str, row: dict) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def _install_probe(out_dir: str) -> None:
+    from megatron.training import get_args, training
+
+    stock_step, stock_save = training.train_step, training.save_checkpoint
+
+    @functools.wraps(stock_step)
+    def train_step(*args, **kwargs):
+        result = stock_step(*args, **kwargs)
+        model = kwargs.get("model", args[2] if len(args) > 2 else None)
+        params = _params(model)
+        flats = _gathered(params)
+        chunk = model[0]
+        classes = chunk.topo_param_classes() if hasattr(chunk, "topo_param_classes") else {}
+        engines = getattr(chunk, "topo_engines", [])
+        iteration = kwargs.get("iteration", get_args().curr_iteration) + 1
+        if dist.get_rank() == 0:
+            world = dist.get_world_size()
+            offs, sync_ok = 0, True
+            for name, p in params.items():
+                if classes.get(name) == "SYNC":
+                    sync_ok = sync_ok and _same(flats, list(range(world)), slice(offs, offs + p.numel()))
+                offs += p.numel()
+            half = world // 2
+            _write(os.path.join(out_dir, "steps.jsonl"), {
+                "iteration": iteration, "islands_equal": _same(flats, list(range(half)))
+                and _same(flats, list(range(half, world))), "all_equal": _same(flats, list(range(world))),
+                "sync_equal": sync_ok, "n_sync": sum(c == "SYNC" for c in classes.values()),
+                "n_local": sum(c == "LOCAL" for c in classes.values()),
+                "reconciles": engines[0].reconciles if engines else None,
+                "type": type(chunk).__name__})
+        if iteration == get_args().train_iters:
+            torch.save(params, os.path.join(out_dir, f"params_rank{dist.get_rank()}.pt"))
+        return result
+
+    @functools.wraps(stock_save)
+    def save_checkpoint(iteration, model, *args, **kwargs):
+        flats = _gathered(_params(model))
+        if dist.get_rank() == 0:
+            _write(os.path.join(out_dir, "saves.jsonl"),
+                   {"iteration": iteration, "all_equal": _same(flats, list(range(dist.get_world_size())))})
+        return stock_save(iteration, model, *args, **kwargs)
+
+    training.train_step = train_step
+    training.save_checkpoint = save_checkpoint
+
+
+def main() -> int:
+    out_dir, script, *rest = sys.argv[1:]
+    os.makedirs(out_dir, exist_ok=True)
+    from topo_integrations.megatron import cpu_compat
+    from topo_integrations.megatron.__main__ import main as launch
+
+    cpu_compat.apply_training()  # what the launcher does first; megatron.training imports after it
+    _install_probe(out_dir)
+    return launch([script, *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Every key of the ``topo_align`` block x every adapter: accepted, or refused at start naming the key
+and the adapter (issue 23, "no key accepted and then ignored").
+
+The keys come from the pydantic model (`TopoAlignConfig.model_fields`, walked), so a new key fails
+`test_every_schema_key_has_a_non_default_value_here` until it is given a value and a verdict here.
+Each key gets a non-default value (in mode `selective`, the mode most keys apply to; `hierarchical`
+where the key belongs to it or the adapter refuses `selective`), then goes through what each adapter
+checks before it builds anything:
+
+* the config itself (`TopoAlignConfig`: a check across sections refuses `communication.inter_dtype`
+  in `selective`, for every adapter and the Megatron flag alike);
+* DeepSpeed ZeRO 0-3: `deepspeed.support.check_supported` (the DeepSpeed config + block);
+* Megatron DDP / distributed optimizer: `megatron.refusals.check_megatron_settings` + `check_config`
+  with the settings Megatron decided (`MegatronSide`);
+* `GroupedReducer`: the config only; `topology.middle_level` that the topology cannot give is refused
+  while the groups are planned (shared by every adapter), checked on 4 gloo ranks below, with the
+  one key that used to do nothing there (`monitor.log_interval`: a log line every N steps).
+
+REFUSED lists every (adapter, key) cell that must be refused, with the words the error must hold; every
+other cell must be accepted. Which effect an accepted key has, per adapter, is each adapter's key
+table (docs/megatron.md and docs/deepspeed.md, "Keys"; docs/reducer.md), and its effect is measured by
+that adapter's own tests (tests/test_megatron_ddp.py, tests/test_deepspeed_*.py, tests/test_reducer_*.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from pydantic import BaseModel
+
+from topo_integrations.config import ConfigError, TopoAlignConfig
+
+ADAPTERS = ("GroupedReducer", "ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Megatron DDP", "Megatron distopt")
+
+# A valid value other than the default, per key (companion keys where the value needs them).
+NONDEFAULT: dict[str, tuple[object, dict]] = {
+    "enabled": (False, {}),
+    "mode": ("hierarchical", {}),
+    "topology.source": ("file", {"topology.file": "topo.json"}),
+    "topology.file": ("topo.json", {"topology.source": "file"}),
+    "topology.group_by": ("leaf", {}),
+    "topology.min_tier_ratio": (2.0, {}),
+    "topology.middle_level": (True, {}),
+    "sync.last_n_layers": (2, {}),
+    "sync.always_sync": (["head"], {}),
+    "sync.top_fraction": (0.3, {}),
+    "sync.dtype": ("bf16", {}),
+    "sync.layer_pattern": (r"layers\.(\d+)\.", {}),
+    "local.dtype": ("fp16", {}),
+    "local.reconcile_interval": (8, {}),
+    "local.async_reconcile": (False, {}),
+    "local.reconcile_dtype": ("fp32", {}),
+    "local.moments_interval": (2, {}),
+    "local.outer_momentum": (0.5, {}),
+    "local.outer_lr": (0.7, {}),
+    "local.promote_drift_fraction": (0.3, {}),
+    "importance.method": ("magnitude", {}),
+    "importance.ema_decay": (0.9, {}),
+    "importance.refresh_interval": (50, {}),
+    "communication.inter_dtype": ("bf16", {}),
+    "communication.error_feedback": (False, {}),
+    "communication.bucket_size_mb": (5.0, {}),
+    "communication.overlap": (False, {}),
+    "fallback.timeout_s": (60.0, {}),
+    "fallback.on_flat_topology": ("error", {}),
+    "adaptive.enabled": (True, {}),
+    "adaptive.check_interval": (10, {}),
+    "adaptive.slowdown_factor": (2.0, {}),
+    "adaptive.window": (5, {}),
+    "monitor.log_interval": (3, {}),
+}
+
+MEGATRON = ("Megatron DDP", "Megatron distopt")
+DEEPSPEED = ("ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+SELECTIVE_ONLY = ("sync.", "local.", "importance.")
+
+REFUSED: dict[tuple[str, str], tuple[str, ...]] = {
+    **{(a, "communication.inter_dtype"): ("communication.inter_dtype = 'bf16'", "mode 'selective'")
+       for a in ADAPTERS},
+    **{(a, "communication.bucket_size_mb"): ("communication.bucket_size_mb = 5.0", "adapter")
+       for a in (*DEEPSPEED, *MEGATRON)},
+    **{(a, "communication.overlap"): ("communication.overlap = False", "adapter") for a in (*DEEPSPEED, *MEGATRON)},
+    ("Megatron distopt", "local.dtype"): ("local.dtype = 'fp16'", "the Megatron adapter"),
+    ("ZeRO-1", "local.dtype"): ("local.dtype = 'fp16'", "DeepSpeed adapter"),
+    ("ZeRO-2", "local.dtype"): ("local.dtype = 'fp16'", "DeepSpeed adapter"),
+    ("ZeRO-3", "topology.middle_level"): ("topology.middle_level = True", "DeepSpeed adapter", "ZeRO stage 3"),
+    # ZeRO-3 refuses the mode the selective keys belong to (they are checked in `selective` there).
+    **{("ZeRO-3", k): ("topo_align.mode = 'selective' with zero_optimization.stage = 3",)
+       for k in NONDEFAULT if k.startswith(SELECTIVE_ONLY)},
+}
+
+
+def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            out += _leaf_keys(sub, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def _mode(adapter: str, key: str) -> str:
+    if key == "communication.inter_dtype":
+        return "selective"  # the cell under test: refused there (it works in hierarchical, checked below)
+    if adapter == "ZeRO-3" and not key.startswith(SELECTIVE_ONLY):
+        return "hierarchical"  # ZeRO-3 refuses selective: check the key where it can apply
+    return "selective"
+
+
+def _start(adapter: str, key: str) -> None:
+    """What ``adapter`` checks at start for ``key`` set to its non-default value."""
+    value, companions = NONDEFAULT[key]
+    overrides = {"mode": _mode(adapter, key), **companions, key: value}
+    cfg = TopoAlignConfig().with_overrides(overrides)
+    if adapter.startswith("ZeRO-"):
+        from topo_integrations.deepspeed.support import check_supported
+
+        check_supported({"zero_optimization": {"stage": int(adapter[-1])}, "train_batch_size": 8}, cfg)
+    elif adapter in MEGATRON:
+        from topo_integrations.megatron.refusals import MegatronSide, check_config, check_megatron_settings
+
+        side = MegatronSide(use_distributed_optimizer=adapter.endswith("distopt"), overlap_grad_reduce=True)
+        check_megatron_settings(cfg, side)
+        check_config(cfg, side)
+
+
+def test_every_schema_key_has_a_non_default_value_here():
+    keys = _leaf_keys(TopoAlignConfig)
+    assert sorted(NONDEFAULT) == sorted(keys), "give every new key a value and a verdict in this file"
+    defaults = TopoAlignConfig()
+    for key in keys:
+        obj = defaults
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert NONDEFAULT[key][0] != obj, key
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_every_key_is_accepted_or_refused_at_start_naming_it(adapter):
+    accepted, refused = [], []
+    for key in NONDEFAULT:
+        want = REFUSED.get((adapter, key))
+        try:
+            _start(adapter, key)
+        except (ConfigError, ValueError) as exc:
+            msg = str(exc)
+            assert want is not None, f"{adapter}: {key} refused unexpectedly: {msg}"
+            assert all(w in msg for w in want), f"{adapter}: {key}: {msg!r} lacks {want}"
+            refused.append(key)
+        else:
+            assert want is None, f"{adapter}: {key} set to {NONDEFAULT[key][0]!r} was accepted; expected a refusal"
+            accepted.append(key)
+    assert len(accepted) + len(refused) == len(NONDEFAULT)
+
+
+def test_inter_dtype_is_accepted_where_it_applies():
+    for adapter in ("GroupedReducer", "ZeRO-0", "ZeRO-3", *MEGATRON):
+        cfg = TopoAlignConfig().with_overrides({"mode": "hierarchical", "communication.inter_dtype": "bf16"})
+        assert cfg.communication.inter_dtype == "bf16", adapter
+
+
+# -- on 4 gloo ranks: the planned-topology refusal and GroupedReducer's log line ----------------------
+
+def _rank_main(rank: int, world: int) -> dict:
+    import torch
+
+    from topo_integrations.reducer.reducer import GroupedReducer
+
+    os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # 2 virtual nodes x 2 ranks
+    out: dict = {}
+    try:
+        GroupedReducer(torch.nn.Linear(4, 4), TopoAlignConfig().with_overrides({"topology.middle_level": True}))
+    except ValueError as exc:
+        out["middle_level"] = str(exc)
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("topo_align").addHandler(Keep())
+    logging.getLogger("topo_align").setLevel(logging.INFO)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    red = GroupedReducer(model, TopoAlignConfig().with_overrides({"mode": "hierarchical", "monitor.log_interval": 2}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        red.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+        red.after_optimizer_step(opt)
+    out["log"] = [r for r in records if "GroupedReducer step" in r]
+    red.close()
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_middle_level_without_leaves_is_refused_and_grouped_reducer_logs_every_n_steps():
+    from topo_integrations.testing import run_world
+
+    results = run_world(4, _rank_main, timeout=150)
+    for rank, res in enumerate(results):
+        assert res["middle_level"] == (
+            "topology.middle_level = true cannot be honoured with topology.source = 'auto' (middle_level needs "
+            "group_by 'island', several leaves and a hierarchical plan); give a topology with "
+            "leaf switches (e.g. source 'file' or 'slurm') or remove the key"), rank
+        # DP position 0 logs at steps 2 and 4 (monitor.log_interval = 2); the others do not log
+        assert len(res["log"]) == (2 if rank == 0 else 0), (rank, res["log"])
+    assert results[0]["log"][0].startswith("topo_align: GroupedReducer step 2: hierarchical, SYNC 100.0% of elements")
