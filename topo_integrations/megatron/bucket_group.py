@@ -43,14 +43,13 @@ class TopoBucketGroup(_ParamAndGradBucketGroup):
 
     # -- set-up ------------------------------------------------------------------------------------
 
-    def topo_setup(self, engine, tag: str, names: dict[torch.nn.Parameter, str], index_map: dict, stream) -> None:
+    def topo_setup(self, engine, tag: str, names: dict[torch.nn.Parameter, str], index_map: dict) -> None:
         """``tag``: stable prefix of this group's residual keys; ``names``: parameter -> engine name;
-        ``index_map``: bucket -> its buffer's ``param_index_map``; ``stream``: CUDA side stream or None."""
+        ``index_map``: bucket -> its buffer's ``param_index_map`` (streams are the dispatcher's)."""
         self.topo_engine = engine
         self.topo_tag = tag
         self.topo_names = names
         self.topo_index_map = index_map
-        self.topo_stream = stream
         self.topo_dispatched = False
         self.topo_distopt = bool(self.ddp_config.use_distributed_optimizer)
         self.topo_ranges: list[dict[str, Ranges]] = []

@@ -116,7 +116,6 @@ class TopoAlignDDP(DistributedDataParallel):
         self.topo_expert_groups: ReducerGroups | None = None
         self.topo_slots: list[_EngineSlot] = []
         self._topo_capture: LossCapture | None = None
-        self._topo_stream_obj = None
         cfg = self.topo_config
         if cfg is None:
             return
@@ -198,15 +197,6 @@ class TopoAlignDDP(DistributedDataParallel):
                 "consecutive data-parallel ranks, so launch with the ranks of each node consecutive "
                 "(`topo-align hostfile` writes a host order that does this)")
 
-    def _topo_stream(self):
-        """The CUDA side stream of the collectives issued from the backward hooks (None on CPU or
-        without overlap): Megatron's multi-instance path already made one per bucket group."""
-        if not (torch.cuda.is_available() and self.ddp_config.overlap_grad_reduce):
-            return None
-        if self._topo_stream_obj is None:
-            self._topo_stream_obj = torch.cuda.Stream(device=torch.cuda.current_device())
-        return self._topo_stream_obj
-
     def _topo_layers(self, cfg: TopoAlignConfig, names: list[str]) -> tuple[dict[str, int | None], int | None]:
         if cfg.sync.layer_pattern is not None:
             return layer_indices(names, layer_pattern=cfg.sync.layer_pattern), None
@@ -232,7 +222,6 @@ class TopoAlignDDP(DistributedDataParallel):
         index_map = {b: buf.param_index_map for buf in self.buffers + self.expert_parallel_buffers for b in buf.buckets}
         first = self.buffers[0] if self.buffers else self.expert_parallel_buffers[0]
         device = first.grad_data.device
-        stream = self._topo_stream()
         for slot_i, (groups, bgs) in enumerate(by_groups.values()):
             params = {p for bg in bgs for p in bg.params}
             extra = {p for bg in stock for p in bg.params} if slot_i == 0 else set()
@@ -242,13 +231,15 @@ class TopoAlignDDP(DistributedDataParallel):
             forced = {n for p, n in mine.items() if p in extra or getattr(p, "shared_embedding", False)}
             engine = Engine(cfg, groups, names, [p.numel() for p in mine], device=device,
                             layers={n: layers.get(n) for n in names}, num_layers=num_layers,
-                            params={n: p for p, n in mine.items()}, forced_sync=forced, levels=ADAPTIVE_LEVELS)
+                            params={n: p for p, n in mine.items()}, forced_sync=forced, levels=ADAPTIVE_LEVELS,
+                            # --overlap-grad-reduce: the hooks hand buckets to the dispatcher's thread
+                            # and return (gloo); on CUDA the dispatcher enqueues on its stream anyway.
+                            workers=bool(self.ddp_config.overlap_grad_reduce))
             if self.ddp_config.bucket_size:
                 engine.wire.chunk_numel = int(self.ddp_config.bucket_size)
             for gi, bg in enumerate(bgs):
                 bg.__class__ = TopoBucketGroup
-                bg.topo_setup(engine, f"s{slot_i}.bg{gi}", mine, index_map,
-                              None if stream is None else getattr(bg, "communication_stream", None) or stream)
+                bg.topo_setup(engine, f"s{slot_i}.bg{gi}", mine, index_map)
                 bg.topo_last = gi == len(bgs) - 1  # its finish releases the engine's held work (all_submitted)
             engine.on_reconfigure(lambda _e, bgs=bgs: [bg.topo_apply_classes() for bg in bgs])
             if cfg.adaptive.enabled:

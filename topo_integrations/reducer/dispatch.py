@@ -359,16 +359,11 @@ class Dispatcher:
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             if self._broken is None:
                 self._broken = exc
-            it.error = exc
-            it.future.set_exception(exc)
-        finally:
             self._running = None
-            if it.reconcile:
-                with self._lock:
-                    self._rc_outstanding -= 1
-            with self._lock:
-                self._pending_items.pop(id(it.future), None)
-            it.done.set()
+            self._fail(it, exc)
+            return
+        self._running = None
+        self._settle(it)
 
     WAIT_SLACK_S = 10.0
     """Added to twice ``fallback.timeout_s`` for a wait: the collective's own timeout (the groups
@@ -377,6 +372,10 @@ class Dispatcher:
     def _fail(self, it: _Item, exc: BaseException) -> None:
         it.error = exc
         it.future.set_exception(exc)
+        self._settle(it)
+
+    def _settle(self, it: _Item) -> None:
+        """Book a finished (or failed) item: no longer outstanding, waiters released."""
         if it.reconcile:
             with self._lock:
                 self._rc_outstanding -= 1

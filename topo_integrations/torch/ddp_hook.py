@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import TopoAlignConfig
 from ..reducer.classes import LOCAL, SYNC, layer_indices
 from ..reducer.dispatch import CommBucket
-from ..reducer.engine import Engine, ParamReconcileSource
+from ..reducer.engine import Engine
 from ..reducer.groups import ReducerGroups
 from ..reducer.importance import Importance
 from ..reducer.kinds import Cls
@@ -46,6 +46,7 @@ from ..reducer.ranges import merge_spans, total
 from ..topology import Plan
 from .consistency import verify_replicas
 from .reducer import topology_groups, trainable_parameters
+from .view import EngineView
 
 __all__ = ["TopoAlignHookState", "topo_align_hook"]
 
@@ -57,7 +58,7 @@ ADAPTIVE_LEVELS = ("normal", "reconcile", "fp16")
 """Adaptive levels the hook can apply (DDP owns the data-parallel group: no regrouping)."""
 
 
-class TopoAlignHookState:
+class TopoAlignHookState(EngineView):
     """The hook's state: one engine for one ``DistributedDataParallel`` model (see the module docstring).
 
     ``groups`` / ``plan``: as GroupedReducer (discovered from ``cfg`` when not given); the engine's
@@ -108,20 +109,6 @@ class TopoAlignHookState:
         self.buckets_reduced = 0
         if cfg.adaptive.enabled:
             self.engine.enable_adaptive()
-
-    # ------------------------------------------------------------------ the engine's view
-
-    @property
-    def groups(self) -> ReducerGroups:
-        return self.engine.groups
-
-    @property
-    def mode(self) -> str:
-        return self.engine.mode
-
-    @property
-    def step(self) -> int:
-        return self.engine.step
 
     # ------------------------------------------------------------------ one DDP bucket
 
@@ -218,11 +205,6 @@ class TopoAlignHookState:
 
     # ------------------------------------------------------------------ after the optimizer step
 
-    def _source(self, optimizer) -> ParamReconcileSource:
-        if optimizer is not None:
-            self._optimizer = optimizer
-        return ParamReconcileSource(self._params, self._optimizer)
-
     def after_optimizer_step(self, optimizer=None) -> None:
         """Count the step; in `selective` apply a pending asynchronous correction, reconcile when due
         (LOCAL parameters and the optimizer state of their shape), re-rank the classes when a refresh
@@ -233,21 +215,6 @@ class TopoAlignHookState:
             order = [n for n in self.engine.names if n in sq]
             self.engine.observe(order, torch.stack([sq[n] for n in order]))
         self.engine.after_step(self._source(optimizer), optimizer)
-
-    def reconcile(self, optimizer=None, blocking: bool = True) -> None:
-        """Force a reconciliation now (before evaluation or saving); afterwards (blocking) every
-        parameter is identical on all ranks. No-op outside `selective`. Collective over the DP group."""
-        self.engine.reconcile(self._source(optimizer), blocking=blocking)
-
-    # ------------------------------------------------------------------ agreement
-
-    def classify(self) -> dict[str, str]:
-        """Parameter name -> "SYNC" | "LOCAL" (all SYNC outside `selective`)."""
-        return dict(self.engine.classes)
-
-    def global_grad_norm_sq(self, local_sq: torch.Tensor) -> torch.Tensor:
-        """Squared gradient norm for clipping, equal on every rank (GroupedReducer.global_grad_norm_sq)."""
-        return self.engine.global_grad_norm_sq(local_sq.to(self.device))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global norm is at most ``max_norm``; returns the norm.
@@ -263,10 +230,6 @@ class TopoAlignHookState:
         if scale < 1:
             torch._foreach_mul_(grads, scale)
         return norm
-
-    def agree_overflow(self, flag: bool) -> bool:
-        """True on every rank when any rank saw an overflow (one MAX all-reduce)."""
-        return self.engine.agree_overflow(flag)
 
     # ------------------------------------------------------------------ state, stats, checks
 

@@ -41,13 +41,14 @@ import torch.nn as nn
 from ..config import TopoAlignConfig
 from ..reducer.classes import LOCAL, SYNC, layer_indices
 from ..reducer.dispatch import CommBucket
-from ..reducer.engine import Engine, ParamReconcileSource
+from ..reducer.engine import Engine
 from ..reducer.groups import ReducerGroups, build_groups, discover_plan
 from ..reducer.importance import Importance
 from ..reducer.replicas import broadcast_from_first
 from ..topology import Plan
 from .buckets import Bucket, build_buckets
 from .consistency import ConsistencyError, verify_replicas
+from .view import EngineView
 
 __all__ = ["GroupedReducer", "ConsistencyError", "trainable_parameters", "topology_groups"]
 
@@ -105,7 +106,7 @@ def _dense(name: str, grad: torch.Tensor) -> torch.Tensor:
     return grad.detach()
 
 
-class GroupedReducer:
+class GroupedReducer(EngineView):
     """See the module docstring. Public methods: docs/reducer.md."""
 
     def __init__(self, model: nn.Module, cfg: TopoAlignConfig, *, groups: ReducerGroups | None = None,
@@ -162,20 +163,8 @@ class GroupedReducer:
     # ------------------------------------------------------------------ the engine's view
 
     @property
-    def groups(self) -> ReducerGroups:
-        return self.engine.groups
-
-    @property
     def plan(self) -> Plan:
         return self.engine.groups.plan
-
-    @property
-    def mode(self) -> str:
-        return self.engine.mode
-
-    @property
-    def step(self) -> int:
-        return self.engine.step
 
     @property
     def adaptive(self):
@@ -307,11 +296,6 @@ class GroupedReducer:
 
     # ------------------------------------------------------------------ after the optimizer step
 
-    def _source(self, optimizer) -> ParamReconcileSource:
-        if optimizer is not None:
-            self._optimizer = optimizer
-        return ParamReconcileSource(self._params, self._optimizer)
-
     def after_optimizer_step(self, optimizer=None) -> None:
         """Count the step; in `selective` apply a pending asynchronous correction, reconcile when due
         (LOCAL parameters and the optimizer state of their shape), re-rank the classes when a refresh
@@ -325,37 +309,13 @@ class GroupedReducer:
                      "bytes this step %s", e.step, st["mode"], 100 * st["sync_fraction"], st["reconciles"],
                      st["step"]["bytes"])
 
-    def reconcile(self, optimizer=None, blocking: bool = True) -> None:
-        """Force a full reconciliation now (before evaluation or saving): applies a pending
-        asynchronous correction, then averages LOCAL parameters (+ optimizer state) across groups.
-        Afterwards every parameter is identical on all ranks. ``blocking=False`` starts an
-        asynchronous one instead. No-op outside `selective`. Collective over the DP group."""
-        self.engine.reconcile(self._source(optimizer), blocking=blocking)
-
     # ------------------------------------------------------------------ classes and agreement
-
-    def classify(self) -> dict[str, str]:
-        """Parameter name -> "SYNC" | "LOCAL" (all SYNC outside `selective`)."""
-        return dict(self.engine.classes)
 
     def sync_mask(self) -> dict[str, bool]:
         return {n: c == SYNC for n, c in self.engine.classes.items()}
 
     def is_sync(self, name: str) -> bool:
         return self.engine.is_sync(name)
-
-    def global_grad_norm_sq(self, local_sq: torch.Tensor) -> torch.Tensor:
-        """Squared gradient norm for clipping, equal on every rank.
-
-        ``local_sq`` is the squared norm of the whole gradient as this rank holds it. In `selective`
-        the result is its mean over the DP group, ``|g_SYNC|^2 + mean_k |g_LOCAL,k|^2`` (one fp64
-        all-reduce); in the other modes gradients agree already and ``local_sq`` is returned.
-        """
-        return self.engine.global_grad_norm_sq(local_sq.to(self.device))
-
-    def agree_overflow(self, flag: bool) -> bool:
-        """True on every rank when any rank saw an overflow (one MAX all-reduce)."""
-        return self.engine.agree_overflow(flag)
 
     # ------------------------------------------------------------------ state, stats, checks
 
