@@ -18,8 +18,15 @@ checks before it builds anything:
 
 REFUSED lists every (adapter, key) cell that must be refused, with the words the error must hold; every
 other cell must be accepted. Which effect an accepted key has, per adapter, is each adapter's key
-table (docs/megatron.md and docs/deepspeed.md, "Keys"; docs/reducer.md), and its effect is measured by
-that adapter's own tests (tests/test_megatron_ddp.py, tests/test_deepspeed_*.py, tests/test_reducer_*.py).
+table (docs/megatron.md and docs/deepspeed.md, "Keys"; docs/reducer.md).
+
+Observable effect: every key accepted by `GroupedReducer` is set alone on 4 gloo ranks (8 training
+steps of a small layered model) and what the run exposes -- plan, classes, wire dtypes, buckets, bytes
+per tier and traffic, the final parameters, reconciliations, refreshes, the adaptive record, timeouts,
+log lines -- must differ from the same run without it (`test_every_accepted_key_changes_what_the_run_does`).
+Everything but the bucket layout and the framework-side checks is the engine's, which the DeepSpeed and
+Megatron adapters build from the same block, so an engine-level effect holds for them too; their own
+seams are checked by their tests (tests/test_megatron_ddp.py, tests/test_deepspeed_*.py).
 """
 
 from __future__ import annotations
@@ -168,7 +175,7 @@ def test_inter_dtype_is_accepted_where_it_applies():
 def _rank_main(rank: int, world: int) -> dict:
     import torch
 
-    from topo_integrations.reducer.reducer import GroupedReducer
+    from topo_integrations.torch import GroupedReducer
 
     os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # 2 virtual nodes x 2 ranks
     out: dict = {}
@@ -196,15 +203,116 @@ def _rank_main(rank: int, world: int) -> dict:
         red.after_optimizer_step(opt)
     out["log"] = [r for r in records if "GroupedReducer step" in r]
     red.close()
+    out["effects"] = _effects(rank, records)
     return out
 
 
-@pytest.mark.multirank
-@pytest.mark.timeout(180)
-def test_middle_level_without_leaves_is_refused_and_grouped_reducer_logs_every_n_steps():
+# Values that show within 8 steps where NONDEFAULT's would not (e.g. a refresh interval of 50).
+EFFECT_VALUE = {"importance.refresh_interval": 4, "local.reconcile_interval": 4, "adaptive.check_interval": 2,
+                "monitor.log_interval": 3}
+# Run with these in baseline and variant alike, so the key's effect can show (e.g. ema_decay needs a refresh).
+EFFECT_COMPANIONS = {"importance.ema_decay": {"importance.refresh_interval": 2, "local.async_reconcile": False},
+                     "importance.method": {"importance.refresh_interval": 2, "local.async_reconcile": False},
+                     "adaptive.slowdown_factor": {"adaptive.enabled": True},
+                     "adaptive.window": {"adaptive.enabled": True},
+                     "adaptive.check_interval": {"adaptive.enabled": True}}
+NOT_ON_THIS_WORLD = {"topology.middle_level": "refused on this topology (no leaves), checked above",
+                     "communication.inter_dtype": "refused in selective for every adapter (the config)"}
+
+
+def _signature(red, records: list[str]) -> dict:
+    import torch
+
+    e = red.engine
+    st = red.stats()
+    ctrl = e.adaptive
+    return {
+        "mode": str(red.mode), "plan": red.plan.reason, "classes": sorted(e.classes.items()),
+        "wire": (str(e.sync_dtype), str(e.local_dtype), str(e.reconcile_dtype), e.wire.error_feedback),
+        "reconcile": (e.reconcile_interval, e.reconciles, e.last_refresh), "buckets": st["buckets"],
+        "bytes": st["total"]["bytes"], "timeout": red.groups.timeout_s, "threaded": e.dispatcher.threaded,
+        "check": e.dispatcher.trace is not None,
+        "fisher": float(e.importance.ema.sum()),
+        "adaptive": None if ctrl is None else (len(ctrl.checks), ctrl.policy.cfg.window,
+                                               ctrl.policy.cfg.slowdown_factor),
+        "params": torch.cat([p.detach().reshape(-1) for p in red._params.values()]).sum().item(),
+        "log": len([r for r in records if "GroupedReducer step" in r]),
+    }
+
+
+def _effects(rank: int, records: list[str]) -> dict:
+    """For every key GroupedReducer accepts: does setting it change the run? (key -> None or why not)"""
+    import json
+
+    import torch
+    import torch.nn as nn
+
+    from topo_integrations.torch import GroupedReducer
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return self.head(x)
+
+    # the same 2 x 2 layout as the host names, from a file
+    topo_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "topologies",
+                             "virtual-2x2.json")
+
+    def run(overrides: dict) -> dict:
+        torch.manual_seed(0)
+        model = Net()
+        records.clear()
+        red = GroupedReducer(model, TopoAlignConfig().with_overrides(overrides))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(8):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+            model(x).pow(2).mean().backward()
+            red.finish_grad_sync()
+            opt.step()
+            opt.zero_grad()
+            red.after_optimizer_step(opt)
+        sig = _signature(red, records)
+        red.close()
+        return sig
+
+    base: dict = {}
+    out = {}
+    for key, (value, companions) in NONDEFAULT.items():
+        if key in NOT_ON_THIS_WORLD or REFUSED.get(("GroupedReducer", key)):
+            continue
+        value = EFFECT_VALUE.get(key, value)
+        companions = {**companions, **EFFECT_COMPANIONS.get(key, {})}
+        if key in ("topology.source", "topology.file"):
+            companions = {**companions, "topology.source": "file", "topology.file": topo_file}
+            value = companions[key]
+        common = {"mode": _mode("GroupedReducer", key), "local.reconcile_interval": 2,
+                  **{k: v for k, v in companions.items() if k not in ("topology.source", "topology.file")}}
+        ref_key = json.dumps(common, sort_keys=True, default=str)
+        if ref_key not in base:
+            base[ref_key] = run(common)
+        got = run({**common, **companions, key: value})
+        diff = sorted(k for k in got if got[k] != base[ref_key][k])
+        out[key] = diff
+    return out
+
+
+@pytest.fixture(scope="module")
+def world():
     from topo_integrations.testing import run_world
 
-    results = run_world(4, _rank_main, timeout=150)
+    return run_world(4, _rank_main, timeout=240)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_middle_level_without_leaves_is_refused_and_grouped_reducer_logs_every_n_steps(world):
+    results = world
     for rank, res in enumerate(results):
         assert res["middle_level"] == (
             "topology.middle_level = true cannot be honoured with topology.source = 'auto' (middle_level needs "
@@ -213,3 +321,13 @@ def test_middle_level_without_leaves_is_refused_and_grouped_reducer_logs_every_n
         # DP position 0 logs at steps 2 and 4 (monitor.log_interval = 2); the others do not log
         assert len(res["log"]) == (2 if rank == 0 else 0), (rank, res["log"])
     assert results[0]["log"][0].startswith("topo_align: GroupedReducer step 2: hierarchical, SYNC 100.0% of elements")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_every_accepted_key_changes_what_the_run_does(world):
+    effects = world[0]["effects"]
+    accepted = [k for k in NONDEFAULT if k not in NOT_ON_THIS_WORLD and not REFUSED.get(("GroupedReducer", k))]
+    assert sorted(effects) == sorted(accepted)
+    silent = [k for k, diff in effects.items() if not diff]
+    assert not silent, f"accepted by GroupedReducer but nothing observable changed: {silent}"

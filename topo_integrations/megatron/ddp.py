@@ -236,7 +236,7 @@ class TopoAlignDDP(DistributedDataParallel):
                             # and return (gloo); on CUDA the dispatcher enqueues on its stream anyway.
                             workers=bool(self.ddp_config.overlap_grad_reduce))
             if self.ddp_config.bucket_size:
-                engine.wire.chunk_numel = int(self.ddp_config.bucket_size)
+                engine.wire.chunk_numel = min(engine.wire.chunk_numel, int(self.ddp_config.bucket_size))
             for gi, bg in enumerate(bgs):
                 bg.__class__ = TopoBucketGroup
                 bg.topo_setup(engine, f"s{slot_i}.bg{gi}", mine, index_map)

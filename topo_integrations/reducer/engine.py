@@ -68,7 +68,12 @@ class Engine(ReconcileMixin):
         self.groups = groups
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.mode = Mode(cfg.mode) if groups.hierarchical else Mode.FLAT
+        # `enabled: false` keeps the framework's reduction: for the adapters that own the reduction
+        # (GroupedReducer, the DDP hook) that is one flat all-reduce, as DDP does.
+        self.mode = Mode(cfg.mode) if groups.hierarchical and cfg.enabled else Mode.FLAT
+        if not cfg.enabled and groups.position == 0:
+            log.info("topo_align: enabled = false: gradients go through one flat all-reduce over the "
+                     "data-parallel group (the framework's own reduction)")
         self.policy = ClassPolicy(cfg, names, numels, device=self.device, layers=layers, num_layers=num_layers,
                                   params=params, forced_sync=forced_sync, loss_closure=loss_closure,
                                   selective=self.mode is Mode.SELECTIVE)
@@ -179,7 +184,7 @@ class Engine(ReconcileMixin):
         if groups is not None and groups is not self.groups:
             self.groups = groups
             self.wire = Wire(groups, device=self.device, error_feedback=self.cfg.communication.error_feedback,
-                             stats=self.stats_)
+                             stats=self.stats_, chunk_numel=self.wire.chunk_numel)
             self.wire.dispatch = self.dispatcher
             self.dispatcher.set_wire(self.wire)
             changed = True

@@ -24,7 +24,7 @@ __all__ = ["Wire"]
 
 
 class Wire:
-    def __init__(self, groups, *, device, error_feedback: bool, stats, chunk_numel: int = 1 << 24):
+    def __init__(self, groups, *, device, error_feedback: bool, stats, chunk_numel: int = 1 << 18):
         self.groups = groups
         self.device = torch.device(device)
         if getattr(groups, "device", None) is None:
@@ -32,6 +32,9 @@ class Wire:
         self.error_feedback = error_feedback
         self.stats = stats
         self.chunk_numel = max(1, int(chunk_numel))
+        """Elements per reconciliation chunk (1 MiB of fp32 by default; adapters cap it at their bucket
+        size): the unit the dispatcher places into the window before the next SYNC bucket, so small
+        enough that most of a reconciliation fits there."""
         self._residuals: dict[str, torch.Tensor] = {}
         self._rec = {c: stats.recorder(c) for c in ("sync", "local", "reconcile", "control")}
         self.dispatch = None

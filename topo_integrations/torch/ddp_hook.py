@@ -98,7 +98,8 @@ class TopoAlignHookState(EngineView):
                              params=self._params, loss_closure=loss_closure, workers=cfg.communication.overlap,
                              levels=ADAPTIVE_LEVELS)
         # Reconciliation chunks of the size GroupedReducer uses (the same chunks, the same numbers).
-        self.engine.wire.chunk_numel = max(1, int(cfg.communication.bucket_size_mb * 1024 * 1024) // 4)
+        self.engine.wire.chunk_numel = min(self.engine.wire.chunk_numel,
+                                          max(1, int(cfg.communication.bucket_size_mb * 1024 * 1024) // 4))
         self._layouts: dict[int, tuple] = {}
         """DDP bucket index -> (parameter names, class version) of its last call."""
         self._carry: dict[str, torch.Tensor] = {}

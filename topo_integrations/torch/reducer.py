@@ -146,7 +146,7 @@ class GroupedReducer(EngineView):
                              layers=layer_indices(self._names, model=model, layer_pattern=cfg.sync.layer_pattern),
                              params=self._params, loss_closure=loss_closure, workers=cfg.communication.overlap,
                              can_regroup=True)
-        self.engine.wire.chunk_numel = self._bucket_numel
+        self.engine.wire.chunk_numel = min(self.engine.wire.chunk_numel, self._bucket_numel)
         self.engine.on_reconfigure(lambda _engine: self._build_buckets())
         self._build_buckets()
         self._sync_enabled = True
