@@ -50,6 +50,7 @@ NONDEFAULT: dict[str, tuple[object, dict]] = {
     "topology.group_by": ("leaf", {}),
     "topology.min_tier_ratio": (2.0, {}),
     "topology.middle_level": (True, {}),
+    "topology.probe": (True, {}),
     "sync.last_n_layers": (2, {}),
     "sync.always_sync": (["head"], {}),
     "sync.top_fraction": (0.3, {}),
@@ -77,6 +78,7 @@ NONDEFAULT: dict[str, tuple[object, dict]] = {
     "adaptive.slowdown_factor": (2.0, {}),
     "adaptive.window": (5, {}),
     "monitor.log_interval": (3, {}),
+    "monitor.check_collectives": (True, {}),
 }
 
 MEGATRON = ("Megatron DDP", "Megatron distopt")
@@ -209,13 +211,18 @@ def _rank_main(rank: int, world: int) -> dict:
 
 # Values that show within 8 steps where NONDEFAULT's would not (e.g. a refresh interval of 50).
 EFFECT_VALUE = {"importance.refresh_interval": 4, "local.reconcile_interval": 4, "adaptive.check_interval": 2,
-                "monitor.log_interval": 3}
+                "monitor.log_interval": 3,
+                "topology.min_tier_ratio": 20.0,             # above the default tiers' ratio: one flat tier
+                "sync.layer_pattern": r"layers\.([0-3])\.",  # only layers 0-3 count: "last N" moves
+                "communication.bucket_size_mb": 0.001}       # several buckets for this small model
 # Run with these in baseline and variant alike, so the key's effect can show (e.g. ema_decay needs a refresh).
 EFFECT_COMPANIONS = {"importance.ema_decay": {"importance.refresh_interval": 2, "local.async_reconcile": False},
                      "importance.method": {"importance.refresh_interval": 2, "local.async_reconcile": False},
                      "adaptive.slowdown_factor": {"adaptive.enabled": True},
                      "adaptive.window": {"adaptive.enabled": True},
-                     "adaptive.check_interval": {"adaptive.enabled": True}}
+                     "adaptive.check_interval": {"adaptive.enabled": True},
+                     # a flat topology, where the fallback policy decides
+                     "fallback.on_flat_topology": {"topology.min_tier_ratio": 20.0}}
 NOT_ON_THIS_WORLD = {"topology.middle_level": "refused on this topology (no leaves), checked above",
                      "communication.inter_dtype": "refused in selective for every adapter (the config)"}
 
@@ -237,11 +244,15 @@ def _signature(red, records: list[str]) -> dict:
                                                ctrl.policy.cfg.slowdown_factor),
         "params": torch.cat([p.detach().reshape(-1) for p in red._params.values()]).sum().item(),
         "log": len([r for r in records if "GroupedReducer step" in r]),
+        "from_hooks": st["launched_from_hooks"],
     }
 
 
 def _effects(rank: int, records: list[str]) -> dict:
-    """For every key GroupedReducer accepts: does setting it change the run? (key -> None or why not)"""
+    """For every key GroupedReducer accepts: what setting it changes in the run (key -> changed fields)."""
+    # The suite turns the collective check on for every rank (tests/conftest.py); off here, so that
+    # monitor.check_collectives itself has something to change.
+    os.environ.pop("TOPO_ALIGN_CHECK_COLLECTIVES", None)
     import json
 
     import torch
@@ -268,7 +279,10 @@ def _effects(rank: int, records: list[str]) -> dict:
         torch.manual_seed(0)
         model = Net()
         records.clear()
-        red = GroupedReducer(model, TopoAlignConfig().with_overrides(overrides))
+        try:
+            red = GroupedReducer(model, TopoAlignConfig().with_overrides(overrides))
+        except ValueError as exc:  # refused at start on this topology (e.g. fallback.on_flat_topology)
+            return {"error": str(exc)}
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         for step in range(8):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -297,7 +311,7 @@ def _effects(rank: int, records: list[str]) -> dict:
         if ref_key not in base:
             base[ref_key] = run(common)
         got = run({**common, **companions, key: value})
-        diff = sorted(k for k in got if got[k] != base[ref_key][k])
+        diff = sorted(k for k in set(got) | set(base[ref_key]) if got.get(k) != base[ref_key].get(k))
         out[key] = diff
     return out
 

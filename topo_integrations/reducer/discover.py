@@ -228,6 +228,9 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
     try:
         plan: Any = plan_groups(topo, group_by=cfg.topology.group_by, min_tier_ratio=cfg.topology.min_tier_ratio,
                                 middle_level=cfg.topology.middle_level)
+        from .groups import require_middle_level
+
+        require_middle_level(cfg, plan)
     except (TopologyError, ValueError) as exc:
         return _error(exc), src
     log.info("topo_align: plan: %s -- %s", "hierarchical" if plan.hierarchical else "one flat all-reduce",

@@ -362,6 +362,18 @@ def _load_topology(cfg: TopoAlignConfig, hosts: list[str] | None, dp_size: int) 
     return topo
 
 
+def require_middle_level(cfg: TopoAlignConfig, plan: Plan) -> None:
+    """Asked for three levels (``topology.middle_level``) and the topology cannot give them: refuse
+    rather than run two (ValueError naming the key and the source)."""
+    if cfg.topology.middle_level and plan.hierarchical and not plan.middle_level:
+        why = "; ".join(n.split(": using 2 levels")[0] for n in plan.notes if "middle_level" in n) \
+            or "no leaf tier"
+        raise ValueError(
+            f"topology.middle_level = true cannot be honoured with topology.source = "
+            f"{cfg.topology.source!r} ({why}); give a topology with leaf switches (e.g. source 'file' "
+            "or 'slurm') or remove the key")
+
+
 def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp_group=None) -> Plan:
     """Topology per ``cfg.topology``, planned on the first DP rank and broadcast to the group.
 
@@ -405,14 +417,7 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
             result = plan_groups(topo, group_by=cfg.topology.group_by,
                                  min_tier_ratio=cfg.topology.min_tier_ratio,
                                  middle_level=cfg.topology.middle_level)
-            if cfg.topology.middle_level and result.hierarchical and not result.middle_level:
-                # Asked for three levels, the topology cannot give them: refuse rather than run two.
-                why = "; ".join(n.split(": using 2 levels")[0] for n in result.notes if "middle_level" in n) \
-                    or "no leaf tier"
-                raise ValueError(
-                    f"topology.middle_level = true cannot be honoured with topology.source = "
-                    f"{cfg.topology.source!r} ({why}); give a topology with leaf switches (e.g. source 'file' "
-                    "or 'slurm') or remove the key")
+            require_middle_level(cfg, result)
         except (TopologyError, ValueError) as exc:
             kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
             payload = [("error", kind, str(exc))]
