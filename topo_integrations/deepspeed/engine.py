@@ -73,7 +73,7 @@ class TopoAlignEngineMixin:
 
     def buffered_allreduce_fallback(self, grads=None, elements_per_buffer=500000000):
         """SYNC: hierarchical mean over all ranks (wire ``sync.dtype`` across islands); LOCAL: mean
-        inside the island (wire ``local.dtype``, error feedback) on the engine's LOCAL worker. One flat
+        inside the island (wire ``local.dtype``, error feedback), released after the SYNC ones. One flat
         buffer per class and dtype, in registration order, so every rank issues the same collectives
         in the same order."""
         st = self.topo_align

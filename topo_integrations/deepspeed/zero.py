@@ -6,7 +6,7 @@ these mixins only map DeepSpeed's buffers onto it.
 * ZeRO-1/2 `hierarchical`: :class:`HierarchicalZeroMixin` overrides the two methods every stage-1/2
   gradient collective goes through, ``allreduce_bucket`` and ``gradient_reduction_w_predivide``,
   keeping DeepSpeed's divide / predivide / postscale / dtype semantics and replacing only the
-  ``dist.all_reduce`` by ``Wire.hierarchical_``. A reduce-to-owner call (``rank`` given) is served by
+  ``dist.all_reduce`` by a SYNC bucket of the engine's dispatcher. A reduce-to-owner call (``rank`` given) is served by
   a full hierarchical all-reduce, a correct superset (only the owner's copy is used).
 * ZeRO-1/2 `selective`: DeepSpeed's data-parallel group is the island (an mpu, see :mod:`.mpu`), so
   ZeRO reduces every gradient inside the island and keeps one optimizer-state shard per island

@@ -8,7 +8,7 @@ swapped to `TopoBucketGroup` (bucket_group.py), whose collectives go through the
 `Engine` (topo_integrations/reducer/engine.py): one engine per set of topology groups (the dense
 data-parallel group and, when it is another set of ranks, the expert one). The engine owns the
 policy (classes, importance, drift promotion, adaptive levels), the wire (error feedback, device
-checks, statistics), reconciliation (blocking or asynchronous on its LOCAL worker) and the state.
+checks, statistics), reconciliation (blocking or asynchronous, through its dispatcher) and the state.
 
 Modes (docs/megatron.md):
 
@@ -17,7 +17,7 @@ Modes (docs/megatron.md):
   number of islands and Megatron's instances must be the islands; island reduce-scatter and rail
   all-reduce of this rank's shard (Megatron's own parameter all-gather completes it).
 * ``selective`` -- SYNC element ranges reduced over all ranks every step; LOCAL ranges only inside
-  the island (on the engine's LOCAL worker); every ``local.reconcile_interval`` optimizer steps the
+  the island (released after the SYNC buckets); every ``local.reconcile_interval`` optimizer steps the
   engine averages the LOCAL main parameters and their moments across islands
   (optimizer.py: `MegatronReconcileSource`); gradient statistics are global (`prepare_optimizer`).
 * ``flat``, ``enabled: false``, or a topology with a single tier: stock Megatron (nothing swapped).

@@ -13,7 +13,7 @@ as :class:`ReconcileMixin`); an adapter describes its LOCAL tensors with :class:
   both split into replicated items (identical inside a group: 1/L of them crosses the slow tier
   per rank) and shards (per-rank partitions: averaged over the rail).
 
-Asynchronous: the snapshot is averaged on the LOCAL worker while the next step runs; after the next
+Asynchronous: the snapshot is averaged through the dispatcher while the next step runs; after the next
 optimizer step the correction ``x += target - snapshot`` is applied (second moments clamped at 0).
 """
 
