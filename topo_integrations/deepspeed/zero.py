@@ -31,6 +31,7 @@ import torch.distributed as tdist
 
 from ..reducer.classes import SYNC
 from ..reducer.dispatch import Collective, CommBucket, Reduction
+from ..reducer.ranges import put, take
 from ..reducer.reconcile import ReconcileItem, is_second_moment
 
 __all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mixin", "PartitionSource",
@@ -191,19 +192,6 @@ def _flat_offsets(opt, i: int):
     return out
 
 
-def _cat(flat: torch.Tensor, ranges) -> torch.Tensor:
-    if not ranges:
-        return flat.new_zeros(0)
-    return torch.cat([flat[a:b] for a, b in ranges])
-
-
-def _uncat(flat: torch.Tensor, ranges, buf: torch.Tensor) -> None:
-    off = 0
-    for a, b in ranges:
-        flat[a:b].copy_(buf[off:off + b - a])
-        off += b - a
-
-
 class PartitionSource:
     """What ZeRO-1/2 `selective` reconciles: this rank's LOCAL slices of the fp32 master partition
     (``param=`` set: drift is measured on them) and of every optimizer-state tensor of the
@@ -301,13 +289,13 @@ class SelectiveZeroMixin:
             else:
                 flat = torch.cat([g.reshape(-1) for g in ag])
             # Every rank issues the collective, even with nothing to send, so collectives stay paired.
-            buf = _cat(flat, sync) if flat is not None else torch.zeros(
+            buf = take(flat, sync) if flat is not None else torch.zeros(
                 sum(b - a for a, b in sync), dtype=self.single_partition_of_fp32_groups[i].dtype, device=e.device)
             if buf.numel():  # rail partners hold the same partition id, hence the same slices
                 e.wait(e.reduce(CommBucket(f"sync/{i}", buf, collective=Collective.RAIL), SYNC))
             if flat is None:
                 continue
-            _uncat(flat, sync, buf)
+            put(flat, sync, buf)
             if e.tracks_fisher:
                 # Importance from this rank's slice of each tensor; the refresh sums the slices over
                 # the ranks (the same 1/island-size factor for every tensor: ranking unchanged).

@@ -196,8 +196,7 @@ class Dispatcher:
         of the next step is submitted. ``k`` is the number of chunks that fit the window, from the
         measured window and chunk times agreed over the DP group (:meth:`plan_window`, which the engine
         calls on every rank before); 0 at the first reconciliation (nothing measured yet)."""
-        items = [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c, reconcile=True)
-                 for i, c in enumerate(chunks)]
+        items = self._chunk_items(chunks, what, reconcile=True)
         if not items:
             fut = torch.futures.Future()
             fut.set_result(None)
@@ -215,8 +214,7 @@ class Dispatcher:
 
     def run_reconcile(self, chunks: list[Callable[[], None]], what: str) -> None:
         """A blocking reconciliation: the chunks go now (after anything released) and are waited for."""
-        items = [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c)
-                 for i, c in enumerate(chunks)]
+        items = self._chunk_items(chunks, what, reconcile=False)
         self._release(items)
         for it in items:
             self.wait(it.future)
@@ -305,6 +303,11 @@ class Dispatcher:
         with self._lock:
             self._pending_items[id(fut)] = item
         return item
+
+    def _chunk_items(self, chunks: list[Callable[[], None]], what: str, *, reconcile: bool) -> list[_Item]:
+        """Reconciliation chunks as items; ``reconcile``: counted as outstanding (asynchronous)."""
+        return [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c, reconcile=reconcile)
+                for i, c in enumerate(chunks)]
 
     def _find(self, fut) -> _Item | None:
         with self._lock:

@@ -45,7 +45,7 @@ from ..reducer.kinds import Cls
 from ..reducer.ranges import merge_spans, total
 from ..topology import Plan
 from .consistency import verify_replicas
-from .reducer import topology_groups, trainable_parameters
+from .reducer import check_config, topology_groups, trainable_parameters
 from .view import EngineView
 
 __all__ = ["TopoAlignHookState", "topo_align_hook"]
@@ -73,11 +73,7 @@ class TopoAlignHookState(EngineView):
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"TopoAlignHookState needs a torch.nn.parallel.DistributedDataParallel model, got "
                             f"{type(ddp_model).__name__} (use GroupedReducer for a bare nn.Module)")
-        if not isinstance(cfg, TopoAlignConfig):
-            raise TypeError(f"cfg must be a TopoAlignConfig, got {type(cfg).__name__}")
-        if cfg.importance.method == "hutchinson" and cfg.mode == "selective" and loss_closure is None:
-            raise ValueError("importance.method = 'hutchinson' needs a loss closure: "
-                             "TopoAlignHookState(..., loss_closure=lambda: loss_fn(model(batch)))")
+        check_config(cfg, loss_closure, "TopoAlignHookState")
         self.cfg = cfg
         self.ddp_model = ddp_model
         groups, self.fallback_reason = topology_groups(cfg, groups=groups, plan=plan)

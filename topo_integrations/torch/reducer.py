@@ -60,6 +60,15 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 """Cap of the first bucket of each class, in fp32 bytes (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``: 1 MiB)."""
 
 
+def check_config(cfg, loss_closure, who: str) -> None:
+    """What a plain-PyTorch adapter refuses before it builds anything (named after ``who``)."""
+    if not isinstance(cfg, TopoAlignConfig):
+        raise TypeError(f"cfg must be a TopoAlignConfig, got {type(cfg).__name__}")
+    if cfg.importance.method == "hutchinson" and cfg.mode == "selective" and loss_closure is None:
+        raise ValueError("importance.method = 'hutchinson' needs a loss closure: "
+                         f"{who}(..., loss_closure=lambda: loss_fn(model(batch)))")
+
+
 def topology_groups(cfg: TopoAlignConfig, *, groups: ReducerGroups | None = None, plan: Plan | None = None,
                     dp_ranks_all: list[list[int]] | None = None) -> tuple[ReducerGroups, str | None]:
     """The groups to reduce over (discovered and built unless given) and why the mode falls back to
@@ -120,11 +129,7 @@ class GroupedReducer(EngineView):
         not the ones to classify by (e.g. global layer numbers under pipeline parallelism).
         Collective over the data-parallel group (and, to create groups, over the default group).
         """
-        if not isinstance(cfg, TopoAlignConfig):
-            raise TypeError(f"cfg must be a TopoAlignConfig, got {type(cfg).__name__}")
-        if cfg.importance.method == "hutchinson" and cfg.mode == "selective" and loss_closure is None:
-            raise ValueError("importance.method = 'hutchinson' needs a loss closure: "
-                             "GroupedReducer(..., loss_closure=lambda: loss_fn(model(batch)))")
+        check_config(cfg, loss_closure, "GroupedReducer")
         self.cfg = cfg
         self.model = model
         groups, self.fallback_reason = topology_groups(cfg, groups=groups, plan=plan, dp_ranks_all=dp_ranks_all)
