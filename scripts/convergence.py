@@ -63,6 +63,8 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
             ("local.moments_interval", 1), ("local.reconcile_interval", 4))]
     if kind == "probe":
         return [runs[0], runs[2]]
+    if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback, against today's default
+        return [runs[2], ("sync.dtype=bf16", "selective", {"sync.dtype": "bf16"})]
     if kind in ("key", "ci"):
         return runs if kind == "key" else [runs[0], runs[2]]
     if kind != "full":
@@ -495,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
-                             "deep-drift", "candidate", "candidate-probe", "probe"])
+                             "deep-drift", "candidate", "candidate-probe", "probe", "wire16"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")
