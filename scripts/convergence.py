@@ -65,6 +65,12 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
         return [runs[0], runs[2]]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback, against today's default
         return [runs[2], ("sync.dtype=bf16", "selective", {"sync.dtype": "bf16"})]
+    if kind == "wire8":  # issue 25: reconciliation deltas on the int8 wire, alone and with a 16-bit SYNC wire
+        i8 = {"local.reconcile_dtype": "int8"}
+        return [("reconcile_dtype=int8", "selective", i8),
+                ("sync bf16 + reconcile int8", "selective", {**i8, "sync.dtype": "bf16"}),
+                ("sync bf16 + reconcile int8 + moments/8", "selective",
+                 {**i8, "sync.dtype": "bf16", "local.moments_interval": 8})]
     if kind in ("key", "ci"):
         return runs if kind == "key" else [runs[0], runs[2]]
     if kind != "full":
@@ -497,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
-                             "deep-drift", "candidate", "candidate-probe", "probe", "wire16"])
+                             "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")

@@ -281,7 +281,9 @@ def s_delta_reconcile(rank, world, groups):
 
     out = {}
     for name, kw in (("fp32", {}), ("bf16", {"local__reconcile_dtype": "bf16", "local__moments_interval": 2,
-                                            "local__outer_momentum": 0.5})):
+                                            "local__outer_momentum": 0.5}),
+                     ("int8", {"local__reconcile_dtype": "int8", "local__moments_interval": 2,
+                               "local__outer_momentum": 0.5})):
         model = make(12)
         cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1, local__reconcile_interval=2,
                      local__async_reconcile=True, importance__refresh_interval=1000, **kw)
@@ -590,17 +592,23 @@ def test_state_round_trip_bitwise(world):
 
 
 @pytest.mark.timeout(300)
-def test_delta_reconciliation_bf16_moments_interval_outer_momentum(world):
+def test_delta_reconciliation_bf16_int8_moments_interval_outer_momentum(world):
     """6 reconciliations in 12 steps (H = 2, asynchronous). fp32: values + both Adam moments every time
     (3 units of LOCAL parameter bytes each). bf16 deltas: the first one averages values in fp32 (no
     anchor yet, 1 unit), then deltas at 0.5 units; moments (2 units) at every 2nd: 1 + 5 * 0.5 + 3 * 2 =
     9.5 of 18 units. The explicit reconcile() makes parameters and moments identical everywhere."""
     for res in world:
-        f, b = res["delta"]["fp32"], res["delta"]["bf16"]
-        for r in (f, b):
+        f, b, i8 = res["delta"]["fp32"], res["delta"]["bf16"], res["delta"]["int8"]
+        for r in (f, b, i8):
             assert r["same"] and r["moments_same"] and r["finite"]
             assert r["staleness"] == 1 and r["reconciles"] == 7
         assert b["bytes"] == pytest.approx(f["bytes"] * 9.5 / 18, rel=0.02), (b["bytes"], f["bytes"])
+        # int8 deltas: each rank's slice (n elements, a unit is 4n bytes) padded to whole 256-element
+        # blocks per rail member (K = 2), one byte each plus a 4-byte scale per block; the tiny model
+        # makes the padding dominate (n = 160 -> 512)
+        n = f["bytes"] // (18 * 4)
+        padded = -(-n // 512) * 512
+        assert i8["bytes"] == 4 * n * (1 + 6) + 5 * (padded + 4 * padded // 256), (i8["bytes"], f["bytes"])
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -54,7 +55,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle copies tensors into the message: the queue's own pickler would pass them as
+        # file descriptors that the parent can only open while this process lives (it may be gone).
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -110,7 +113,7 @@ def run_world(
             if status == "error":
                 failure = f"rank {rank} failed: {payload}"
                 break
-            out[rank] = payload
+            out[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             if p.is_alive() and failure is not None:

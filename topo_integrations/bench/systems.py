@@ -145,14 +145,14 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
     return None
 
 
-WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1 + 4 / 256}  # int8: one fp32 scale per 256
 
 
 def reconcile_payload(local_elements: float, n_rec: int, info: dict) -> float:
     """Bytes handed to the cross-group average by ``n_rec`` reconciliations of ``local_elements``
     LOCAL parameters trained with Adam (reducer/reconcile.py):
 
-    - values: fp32 means, or, with a 16-bit ``reconcile_dtype`` (or an outer optimizer), the deltas
+    - values: fp32 means, or, with a 16- or 8-bit ``reconcile_dtype`` (or an outer optimizer), the deltas
       on that wire after a first exact fp32 average that sets the anchor;
     - moments (exp_avg, exp_avg_sq, fp32) at every ``moments_interval``-th reconciliation.
     """

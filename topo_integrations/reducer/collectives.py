@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from .compression import choose_scale, is_lossy, needs_scale, quantize, uses_grid
+from .compression import choose_scale, int8_residual_numel, is_lossy, needs_scale, quantize, uses_grid
 from .compression import wire_dtype as _as_dtype
 
 if TYPE_CHECKING:  # groups.py imports this module (bounded)
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # groups.py imports this module (bounded)
 
 __all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
            "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device",
-           "rail_all_reduce", "rail_numel", "rail_reduce_scatter", "bounded"]
+           "rail_all_reduce", "rail_numel", "residual_numel", "rail_reduce_scatter", "bounded"]
 
 Record = Callable[[str, int, float], None] | None
 
@@ -39,6 +39,8 @@ class CollectiveError(RuntimeError):
 # torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor in favour of
 # all_gather_single and reduce_scatter_single (same semantics).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = _all_gather
+"""``all_gather_single(out, inp, group=...)`` (or its older name): member i's ``inp`` lands in chunk i."""
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -186,9 +188,22 @@ def _lossy_all_reduce(v: torch.Tensor, wire: torch.dtype, residual, group, tier:
     return out / scale if scale is not None else out
 
 
+def residual_numel(numel: int, groups: ReducerGroups, wire: torch.dtype) -> int:
+    """Elements of the error-feedback residual of a rail hop that sends ``numel`` elements in ``wire``."""
+    m = rail_numel(numel, groups)
+    if wire != torch.int8:
+        return m
+    return int8_residual_numel(m, groups.spine_rail_size if groups.three_level else groups.inter_size)
+
+
 def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
     """All-reduce SUM of ``x`` over ``group`` with wire dtype ``wire``; writes and returns ``x``."""
     if n_contrib <= 1:
+        return x
+    if wire == torch.int8:
+        from .int8_wire import int8_all_reduce  # that module builds on this one's run()
+
+        x.copy_(int8_all_reduce(x, residual, group, tier, groups, record, n_contrib).view_as(x))
         return x
     if wire == x.dtype:
         run("all_reduce", tier, group, groups, x.numel() * x.element_size(), record,
@@ -236,8 +251,9 @@ def rail_all_reduce(x: torch.Tensor, groups: ReducerGroups, *, wire: torch.dtype
     sub = torch.empty(buf.numel() // M, dtype=buf.dtype, device=buf.device)
     run("reduce_scatter", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
         lambda: _reduce_scatter(sub, buf, group=leaf), like=buf)
-    if residual is not None and residual.numel() != sub.numel():
-        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the spine chunk has {sub.numel()}")
+    want = int8_residual_numel(sub.numel(), groups.spine_rail_size) if wire == torch.int8 else sub.numel()
+    if residual is not None and residual.numel() != want:
+        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the spine chunk needs {want}")
     hop(sub, wire, residual, spine, "inter", groups, record, groups.spine_rail_size)
     run("all_gather", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
         lambda: _all_gather(buf, sub, group=leaf), like=buf)

@@ -18,6 +18,13 @@ coarse and the hop falls back to a scaled FP16 cast (sums then round; still no o
 BF16 wire. BF16 has FP32's range, so no scaling: a plain cast with error feedback on the cast (the
 in-flight BF16 sums round).
 
+INT8 wire (reconciliation deltas only, `local.reconcile_dtype: int8`). One fp32 scale per block of
+``INT8_BLOCK`` elements (``amax / 127``), values rounded to int8: a block's error is at most half a
+step of its own largest element, so one large delta does not coarsen the rest of the bucket. Sums are
+not formed on the wire (an int8 sum overflows): the collective is an all-to-all of the quantised
+blocks, a local fp32 sum, and an all-gather of the re-quantised sums (collectives.py). Error feedback
+keeps the first rounding; the second (of the sum) is the same on every rank.
+
 All tensor arithmetic: no host synchronisation (on CUDA the scale stays on the device).
 """
 
@@ -25,9 +32,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPE_BY_NAME", "wire_dtype", "is_lossy", "uses_grid", "choose_scale", "quantize"]
+__all__ = ["DTYPE_BY_NAME", "INT8_BLOCK", "wire_dtype", "is_lossy", "uses_grid", "choose_scale", "quantize",
+           "int8_residual_numel", "quantize_blocks", "dequantize_blocks"]
 
-DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+INT8_BLOCK = 256
+"""Elements per fp32 scale on the int8 wire (the scales add 4/256 = 1.6 % to the bytes)."""
 _GRID_LIMIT = 2048  # integers up to 2^11 are exact in FP16 (11 significant bits)
 _MAX_GRID_CONTRIB = 1024
 
@@ -46,6 +56,8 @@ def is_lossy(src: torch.dtype, wire: torch.dtype) -> bool:
     """True when casting ``src`` to ``wire`` can lose precision or range."""
     if src == wire:
         return False
+    if not wire.is_floating_point:
+        return True
     fs, fw = torch.finfo(src), torch.finfo(wire)
     return fw.eps > fs.eps or fw.max < fs.max
 
@@ -97,3 +109,35 @@ def quantize(v: torch.Tensor, wire: torch.dtype, scale: torch.Tensor | None,
         err = v - back
         residual.copy_(torch.where(torch.isfinite(err), err, torch.zeros_like(err)))
     return q
+
+
+def int8_residual_numel(m: int, n: int) -> int:
+    """Elements of an int8 hop's error-feedback residual for an ``m``-element payload over ``n``
+    members: the payload padded to whole blocks per member (first rounding), then my chunk of the sum
+    (second rounding, kept by its owner)."""
+    unit = max(1, n) * INT8_BLOCK
+    p = -(-m // unit) * unit
+    return p + p // max(1, n)
+
+
+def quantize_blocks(v: torch.Tensor, residual: torch.Tensor | None = None,
+                    block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v`` (fp32, numel a multiple of ``block``) as int8 with one fp32 scale per block.
+
+    ``scale = amax(block) / 127``; ``q = round(v / scale)``. The error, ``v - q * scale``, goes to
+    ``residual`` (same shape as ``v``) when given. A block holding inf/nan gets a non-finite scale, so
+    the overflow reaches the receiver through the dequantised values (its error is not carried over).
+    """
+    blocks = v.reshape(-1, block)
+    scale = blocks.abs().amax(dim=1) / 127.0
+    safe = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    if residual is not None:
+        err = (blocks - q.float() * scale[:, None]).reshape(residual.shape)
+        residual.copy_(torch.where(torch.isfinite(err), err, torch.zeros_like(err)))
+    return q.reshape(-1), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
+    """fp32 values of int8 blocks ``q`` with their scales."""
+    return (q.reshape(-1, block).float() * scale[:, None]).reshape(-1)

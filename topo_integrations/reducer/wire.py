@@ -100,7 +100,7 @@ class Wire:
         the inter hop of a reduction whose island step a framework already did (ZeRO-1/2 with the
         island as DeepSpeed's DP group, Megatron's distributed optimizer)."""
         g = self.groups
-        res = self.residual(key, C.rail_numel(t.numel(), g), t.dtype, wire)
+        res = self.residual(key, C.residual_numel(t.numel(), g, wire), t.dtype, wire)
         C.check_device(t, g, "rail all-reduce")
         C.rail_all_reduce(t.view(-1), g, wire=wire, residual=res, low_priority=low_priority, record=self._rec[cls])
         if average and g.inter_size > 1:
@@ -133,7 +133,7 @@ class Wire:
                     self.rail_(part, key=f"{key}/s{i}", wire=wire, cls="reconcile", average=True, low_priority=True)
             else:
                 def job(part=part, i=i):
-                    res = self.residual(f"{key}/r{i}", C.rail_numel(-(-part.numel() // g.intra_size), g),
+                    res = self.residual(f"{key}/r{i}", C.residual_numel(-(-part.numel() // g.intra_size), g, wire),
                                         part.dtype, wire)
                     C.reconcile_average(part, g, low_priority=True, wire=wire, residual=res,
                                         record=self._rec["reconcile"])

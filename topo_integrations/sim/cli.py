@@ -15,7 +15,7 @@ from ..topology.file_source import load_topology_file
 from ..topology.model import TopologyError
 from .algorithms import ALGORITHMS
 from .compute import DEFAULT_MFU, DEFAULT_SEQ_LENGTH, DEFAULT_TOKENS_PER_STEP, GPU_PEAK_TFLOPS, with_compute_defaults
-from .model import DTYPE_BYTES, RANK_ORDERS, SimError
+from .model import DTYPE_BYTES, GRADIENT_DTYPES, RANK_ORDERS, SimError
 from .scenario import SimOptions, options_from_block, simulate
 from .workload import Workload, workload_from_deepspeed_config, workload_from_megatron_args
 
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", required=True, metavar="FILE", help="JSON topology file (docs/topology-format.md)")
     m = p.add_argument_group("model and layout")
     m.add_argument("--params", type=_float, help="model parameters, e.g. 175e9")
-    m.add_argument("--grad-dtype", choices=list(DTYPE_BYTES), help="gradient dtype (default bf16)")
+    m.add_argument("--grad-dtype", choices=list(GRADIENT_DTYPES), help="gradient dtype (default bf16)")
     m.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
     m.add_argument("--pp", type=int, help="pipeline-parallel size (default 1); DP = GPUs / (TP x PP)")
     m.add_argument("--num-layers", type=int, help="transformer layers (for the last-N share of selective)")
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--group-by", choices=["island", "leaf"], help="intra group of hierarchical/selective")
     o.add_argument("--bucket-mb", type=_float, help="bucket size, MiB (default 25)")
     o.add_argument("--no-overlap", action="store_true", help="launch all buckets after backward")
-    o.add_argument("--inter-dtype", choices=list(DTYPE_BYTES), help="wire dtype of the plugin's cross-group phases")
+    o.add_argument("--inter-dtype", choices=list(GRADIENT_DTYPES), help="wire dtype of the plugin's cross-group phases")
     o.add_argument("--top-fraction", type=_float, help="selective: SYNC share chosen by importance (default 0.15)")
     o.add_argument("--last-n-layers", type=int, help="selective: last N layers always SYNC (default 5)")
     o.add_argument(
@@ -73,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_float,
         help="selective: share of the gradient in the last N layers (overrides the layer count)",
     )
-    o.add_argument("--sync-dtype", choices=list(DTYPE_BYTES), help="selective: SYNC wire dtype (default fp32)")
-    o.add_argument("--local-dtype", choices=list(DTYPE_BYTES), help="selective: LOCAL wire dtype (default fp16)")
+    o.add_argument("--sync-dtype", choices=list(GRADIENT_DTYPES), help="selective: SYNC wire dtype (default fp32)")
+    o.add_argument("--local-dtype", choices=list(GRADIENT_DTYPES), help="selective: LOCAL wire dtype (default fp16)")
     o.add_argument(
         "--reconcile-dtype",
         choices=list(DTYPE_BYTES),

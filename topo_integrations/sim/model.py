@@ -43,7 +43,10 @@ __all__ = [
 ]
 
 SIM_TIERS: tuple[str, ...] = ("island", "host", "leaf", "spine")
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1 + 4 / 256}
+"""Wire bytes per element; int8 (reconciliation only) carries one fp32 scale per 256 elements."""
+GRADIENT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+"""The wire dtypes a gradient hop may use (int8 is a reconciliation wire only)."""
 RANK_ORDERS: tuple[str, ...] = ("leaf", "scattered", "file")
 GB = 1e9
 
@@ -52,9 +55,10 @@ class SimError(ValueError):
     """Input the cost model cannot use; the message names what, which value and what is accepted."""
 
 
-def dtype_bytes(name: str, what: str = "dtype") -> int:
-    if name not in DTYPE_BYTES:
-        raise SimError(f"{what} = {name!r}; expected one of {list(DTYPE_BYTES)}")
+def dtype_bytes(name: str, what: str = "dtype") -> float:
+    accepted = list(DTYPE_BYTES) if what == "reconcile_dtype" else list(GRADIENT_DTYPES)
+    if name not in accepted:
+        raise SimError(f"{what} = {name!r}; expected one of {accepted}")
     return DTYPE_BYTES[name]
 
 

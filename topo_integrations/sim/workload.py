@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import ConfigError, TopoAlignConfig, load_json_file
 from .compute import DEFAULT_SEQ_LENGTH
-from .model import DTYPE_BYTES, SimError
+from .model import DTYPE_BYTES, GRADIENT_DTYPES, SimError
 
 __all__ = ["Workload", "dp_groups", "megatron_param_count", "workload_from_megatron_args",
            "workload_from_deepspeed_config", "read_megatron_args"]
@@ -48,8 +48,8 @@ class Workload:
     def validate(self, world_size: int) -> None:
         if not (isinstance(self.params, (int, float)) and math.isfinite(self.params) and self.params > 0):
             raise SimError(f"params = {self.params!r}; expected a positive number (e.g. 175e9)")
-        if self.grad_dtype not in DTYPE_BYTES:
-            raise SimError(f"grad dtype = {self.grad_dtype!r}; expected one of {list(DTYPE_BYTES)}")
+        if self.grad_dtype not in GRADIENT_DTYPES:
+            raise SimError(f"grad dtype = {self.grad_dtype!r}; expected one of {list(GRADIENT_DTYPES)}")
         for what, v in (("tp", self.tp), ("pp", self.pp)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SimError(f"{what} = {v!r}; expected an integer >= 1")
