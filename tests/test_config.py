@@ -16,7 +16,7 @@ DESIGN_BLOCK = {
     "enabled": True,
     "mode": "selective",
     "topology": {"source": "auto", "file": None, "group_by": "island", "min_tier_ratio": 1.3},
-    "sync": {"last_n_layers": 5, "always_sync": ["output_layer", "lm_head"], "top_fraction": 0.15, "dtype": "fp32"},
+    "sync": {"last_n_layers": 5, "always_sync": ["output_layer", "lm_head"], "top_fraction": 0.15, "dtype": "bf16"},
     "local": {"dtype": "fp16", "reconcile_interval": 4, "async_reconcile": True},
     "importance": {"method": "fisher", "ema_decay": 0.99, "refresh_interval": 200},
     "communication": {"inter_dtype": "fp32", "error_feedback": True, "bucket_size_mb": 25, "overlap": True},

@@ -57,7 +57,9 @@ def loss_of(model, step: int, rank: int, micro: int = 0, skip: int | None = None
 def cfg_of(mode: str, **local) -> TopoAlignConfig:
     return TopoAlignConfig.model_validate({
         "mode": mode, "topology": {"source": "hostnames"}, "fallback": {"timeout_s": 60.0},
-        "sync": {"last_n_layers": 1, "top_fraction": 0.1},
+        # fp32 SYNC wire: the hook's buckets are DDP's, so a lossy wire's rounding (fp16: one scale per
+        # bucket; error-feedback residuals per bucket) may differ from GroupedReducer's by design
+        "sync": {"last_n_layers": 1, "top_fraction": 0.1, "dtype": "fp32"},
         "local": {"reconcile_interval": 2, "async_reconcile": True, **local},
         "importance": {"refresh_interval": 4}, "communication": {"bucket_size_mb": 0.001}})
 

@@ -54,7 +54,7 @@ NONDEFAULT: dict[str, tuple[object, dict]] = {
     "sync.last_n_layers": (2, {}),
     "sync.always_sync": (["head"], {}),
     "sync.top_fraction": (0.3, {}),
-    "sync.dtype": ("bf16", {}),
+    "sync.dtype": ("fp32", {}),
     "sync.layer_pattern": (r"layers\.(\d+)\.", {}),
     "local.dtype": ("fp16", {}),
     "local.reconcile_interval": (8, {}),

@@ -305,7 +305,8 @@ def _engine_checks(rank, spec):
 
     out = {}
     out["async_plain"] = _engine_run(rank, spec, cfg(), dist_opt=False, steps=7, spy=True)
-    out["adaptive_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000}),
+    out["adaptive_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000},
+                                                        sync={"dtype": "fp32"}),  # fp16 level: from fp32 only
                                         dist_opt=False, steps=7, at_step=_force_level("fp16"))
     # the controller measuring for real (probe + agreement every 2 steps) while averages are in flight
     out["adaptive_checks_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 2}),
@@ -315,7 +316,8 @@ def _engine_checks(rank, spec):
         rank, spec, cfg(importance={"method": "hutchinson", "refresh_interval": 2}, sync={"top_fraction": 0.3}),
         dist_opt=False, steps=5)
     out["async_distopt"] = _engine_run(rank, spec, cfg(), dist_opt=True, steps=7, spy=True)
-    out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000}),
+    out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000},
+                                                          sync={"dtype": "fp32"}),  # fp16 level: from fp32 only
                                           dist_opt=True, steps=7, at_step=_force_level("fp16"))
     out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}), dist_opt=True, steps=6)
     out["delta_distopt"] = _engine_run(
@@ -475,7 +477,7 @@ def _rank_main(rank, world, tmpdir):
     timings = {}
     t0 = time.time()
     hier = TopoAlignConfig.model_validate({"mode": "hierarchical"})
-    sel_all = TopoAlignConfig.model_validate({"mode": "selective", "sync": {"top_fraction": 1.0}})
+    sel_all = TopoAlignConfig.model_validate({"mode": "selective", "sync": {"top_fraction": 1.0, "dtype": "fp32"}})
     sel_none = TopoAlignConfig.model_validate({"mode": "selective", "sync": {"last_n_layers": 0, "always_sync": [],
                                                                              "top_fraction": 0.0}})
     expert_spec = TinyGPT(expert_like=("layers.0.mlp",))

@@ -76,7 +76,10 @@ MECHANISM_LOCAL = {"reconcile_dtype": "fp32", "moments_interval": 1, "promote_dr
 
 
 def cfg_of(**kw) -> TopoAlignConfig:
+    # sync.dtype fp32: these scenarios compare SYNC with the exact mean (the bf16 default is run by
+    # the schema-defaults scenario)
     block = {"mode": "selective", "topology": {"source": "hostnames"}, "local": dict(MECHANISM_LOCAL),
+             "sync": {"dtype": "fp32"},
              "communication": {"bucket_size_mb": 64.0}, "fallback": {"timeout_s": 60.0}}
     for dotted, v in kw.items():
         node = block

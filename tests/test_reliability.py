@@ -118,7 +118,7 @@ def _world(rank, world_size):
     res: dict = {}
     cfg = TopoAlignConfig.model_validate({
         "mode": "selective", "fallback": {"timeout_s": 8.0},
-        "sync": {"last_n_layers": 1, "top_fraction": 0.2, "always_sync": []},
+        "sync": {"last_n_layers": 1, "top_fraction": 0.2, "always_sync": [], "dtype": "fp32"},
         "local": {"reconcile_interval": 2, "async_reconcile": False, "dtype": "fp16"},
         "communication": {"bucket_size_mb": 0.05},
         "adaptive": {"enabled": True, "check_interval": 1000}})

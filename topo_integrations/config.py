@@ -113,8 +113,12 @@ class SyncConfig(_Section):
     """Fraction of all gradient elements, chosen by importance, that is SYNC in addition to the
     last N layers and `always_sync`; 1 makes `selective` equal `hierarchical`."""
 
-    dtype: Dtype = "fp32"
-    """Wire dtype of SYNC gradients across groups."""
+    dtype: Dtype = "bf16"
+    """Wire dtype of SYNC gradients across groups (the rail hop; inside the island SYNC stays fp32),
+    with error feedback when lossy. `bf16` (default since issue 25) halves the SYNC bytes on the
+    slow tier: 3 seeds on the 8- and 16-layer GPT and digits put it within the seed spread of `fp32`
+    (docs/convergence.md, "Fewer slow-tier bytes"). `fp32` makes `selective` with `top_fraction` 1
+    equal `hierarchical` (whose wire is `communication.inter_dtype`)."""
 
     layer_pattern: str | None = None
     """Regular expression with one group capturing the layer index, overriding layer detection

@@ -123,14 +123,15 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
         return hierarchical(layout, S)
     if key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1"):
         # ZeRO-1 shards the moments inside the group; each shard is averaged over the rail, which
-        # crosses the node cut with the same bytes as the hierarchical rail step.
+        # crosses the node cut with the same bytes as the hierarchical rail step. SYNC crosses in
+        # sync.dtype.
         f = info.get("sync_fraction")
         if f is None or layout.groups is None:
             return hierarchical(layout, S) if layout.groups is None else None
         H = int(info.get("reconcile_interval", 4))
         n_rec = int(info.get("reconciles", steps // H))
         rec = hierarchical(layout, reconcile_payload(params * (1 - f), n_rec, info))
-        sync = hierarchical(layout, f * S)
+        sync = hierarchical(layout, f * params * WIRE_BYTES[info.get("sync_dtype", "fp32")])
         return {k: sync[k] + rec[k] / steps for k in sync}
     if averaging_period(key) is not None:
         w = min(steps, int(info.get("localsgd_warmup", 0)))

@@ -142,7 +142,8 @@ def _reconcile_info(cfg) -> dict:
     """What the byte theory of a reconciliation needs (bench/systems.py), from the effective config
     (``--topo-set`` included)."""
     loc = cfg.local
-    return {"reconcile_interval": loc.reconcile_interval, "reconcile_dtype": loc.reconcile_dtype,
+    return {"sync_dtype": cfg.sync.dtype, "reconcile_interval": loc.reconcile_interval,
+            "reconcile_dtype": loc.reconcile_dtype,
             "moments_interval": loc.moments_interval,
             "outer_optimizer": loc.outer_momentum > 0 or loc.outer_lr != 1.0}
 

@@ -87,7 +87,8 @@ def ds_config(stage: int, *, gas: int = 1, clip: float = 0.0, micro: int = 4, to
 def topo_block(mode: str, **sections) -> dict:
     block: dict[str, Any] = {"enabled": True, "mode": mode, "topology": {"source": "hostnames"}}
     if mode == "selective":
-        block["sync"] = {"last_n_layers": 1, "always_sync": ["head"], "top_fraction": 0.0}
+        # fp32 SYNC wire: the tests compare SYNC with DeepSpeed's exact mean
+        block["sync"] = {"last_n_layers": 1, "always_sync": ["head"], "top_fraction": 0.0, "dtype": "fp32"}
         block["local"] = {"dtype": "fp32", "reconcile_interval": 4, "async_reconcile": False}
     for k, v in sections.items():
         block.setdefault(k, {})

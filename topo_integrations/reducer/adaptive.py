@@ -15,7 +15,7 @@ do not apply to the mode):
   1 ``reconcile``  `selective` only: reconcile every ``reconcile_factor`` x ``local.reconcile_interval``
                    steps (less LOCAL traffic on the slow tier; staleness bound grows with it);
   2 ``fp16``       the inter-group wire (``sync.dtype`` / ``communication.inter_dtype``) becomes FP16
-                   with error feedback (half the bytes on the slow tier);
+                   with error feedback (half the bytes on the slow tier); only when that wire is fp32;
   3 ``flat``       one all-reduce over the data-parallel group, kept only where it is *measured*
                    faster: the controller runs flat for one check interval and keeps it when the wall
                    time per step is lower than at the level before, else goes back and does not try
@@ -190,7 +190,8 @@ class AdaptiveController:
         if g.inter is not None and g.inter_size > 1 and self.base_mode != "flat":
             if self.base_mode == "selective" and engine.has_local() and "reconcile" in levels:
                 avail.append("reconcile")
-            if self.base_inter_dtype != torch.float16 and "fp16" in levels:
+            # only a 4-byte wire gains from FP16 (a BF16 one, selective's default, would not shrink)
+            if self.base_inter_dtype == torch.float32 and "fp16" in levels:
                 avail.append("fp16")
             if "flat" in levels:
                 avail.append("flat")
