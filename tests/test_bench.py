@@ -334,7 +334,7 @@ def test_constant_schedule_and_the_long_preset_defaults():
     spec["lr_schedule"] = "cosine"
     assert lr_at_step(10, spec) == pytest.approx(1e-4)  # cosine ends at 0.1x at --steps
     long = PRESETS["2x2-long"]
-    assert long.model == "deep" and MODELS["deep"]["layers"] == 16 and long.uplink_mbit == 40.0
+    assert long.model == "deep" and MODELS["deep"]["layers"] == 16 and long.uplink_mbit == 100.0
     assert long.defaults["steps"] >= 400 and long.defaults["eval_interval"] == 25
     assert long.defaults["lr_schedule"] == "constant" and long.defaults["repeats"] >= 2
     assert long.systems[0] == "ds-zero0" and {"post-local-sgd", "megatron-distopt", "ds-topo-selective-z1"} <= \

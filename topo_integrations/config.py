@@ -139,13 +139,15 @@ class LocalConfig(_Section):
     """Start the reconciliation without blocking and apply it as a correction one interval later
     (staleness bounded by one interval)."""
 
-    reconcile_dtype: ReconcileDtype = "bf16"
+    reconcile_dtype: ReconcileDtype = "int8"
     """Wire dtype of a reconciliation across groups. `fp32` averages the values exactly; `bf16` /
     `fp16` average the change since the last reconciliation (the delta: small numbers, so a 16-bit
     wire with error feedback loses little) and add it to the last reconciled value, halving the
-    bytes on the slow tier; `int8` sends the delta as 8-bit integers with one fp32 scale per 256
-    elements (error feedback; an all-to-all and an all-gather instead of an all-reduce), a quarter of
-    fp32's bytes plus 1.6 %. Optimizer moments are averaged in fp32 whatever this says."""
+    bytes on the slow tier; `int8` (default since issue 25) sends the delta as 8-bit integers with one
+    fp32 scale per 256 elements (error feedback on both roundings; an all-to-all and an all-gather
+    instead of an all-reduce), a quarter of fp32's bytes plus 1.6 %: 3 seeds on the 8- and 16-layer
+    GPT and digits as good as `bf16` (docs/convergence.md, "Fewer slow-tier bytes"). Optimizer
+    moments are averaged in fp32 whatever this says."""
 
     moments_interval: int = Field(default=4, ge=1, le=1_000_000)
     """Optimizer moments of LOCAL tensors (Adam's exp_avg / exp_avg_sq) are averaged at every this

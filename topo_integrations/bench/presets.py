@@ -47,8 +47,8 @@ interleaved rounds; the comm share of ZeRO-0 re-measured in the same run."""
 PRESETS: dict[str, Preset] = {
     "2x2": Preset("configs/topologies/virtual-2x2.json", "island", 200.0,
                   "2 nodes x 2 ranks, node uplinks 200 Mbit/s; intra-node on loopback (topology: 20:1)"),
-    "2x2-long": Preset("configs/topologies/virtual-2x2.json", "island", 40.0,
-                       "2 nodes x 2 ranks, node uplinks 40 Mbit/s, the deep GPT; every system trains for stock "
+    "2x2-long": Preset("configs/topologies/virtual-2x2.json", "island", 100.0,
+                       "2 nodes x 2 ranks, node uplinks 100 Mbit/s, the deep GPT; every system trains for stock "
                        "DeepSpeed ZeRO-0's wall time of --steps steps, validation loss along the run",
                        model="deep", defaults=LONG_DEFAULTS, systems=LONG_SYSTEMS),
     "4x1": Preset("configs/topologies/virtual-4x1.json", "island", 200.0,

@@ -39,8 +39,11 @@ class CollectiveError(RuntimeError):
 # torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor in favour of
 # all_gather_single and reduce_scatter_single (same semantics).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-all_gather_flat = _all_gather
-"""``all_gather_single(out, inp, group=...)`` (or its older name): member i's ``inp`` lands in chunk i."""
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, *, group) -> None:
+    """Member i's ``inp`` lands in chunk i of ``out`` (``all_gather_single``, or its older name)."""
+    _all_gather(out, inp, group=group)
 _reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 

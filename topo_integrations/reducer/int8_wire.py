@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat, padded_numel, run
+from . import collectives as C  # through the module: a test's spy on C.run sees these calls
 from .compression import INT8_BLOCK, dequantize_blocks, quantize_blocks
 
 __all__ = ["int8_all_reduce"]
@@ -29,7 +29,7 @@ def int8_all_reduce(x: torch.Tensor, residual, group, tier: str, groups, record,
     ``residual``: None or ``int8_residual_numel(x.numel(), n)`` fp32 elements.
     """
     m = x.numel()
-    p = padded_numel(m, n * INT8_BLOCK)
+    p = C.padded_numel(m, n * INT8_BLOCK)
     buf = x.float() if p == m else torch.cat([x.float().reshape(-1), x.new_zeros(p - m, dtype=torch.float32)])
     first = second = None
     if residual is not None:
@@ -42,7 +42,7 @@ def int8_all_reduce(x: torch.Tensor, residual, group, tier: str, groups, record,
     # Each phase books half the int8 payload (blocks + scales), so that the two together count as one
     # all-reduce of it does: the byte figures compare with the other wires' payloads.
     half = (q.numel() + 4 * scale.numel()) // 2
-    run("all_to_all", tier, group, groups, half, record,
+    C.run("all_to_all", tier, group, groups, half, record,
         lambda: (dist.all_to_all_single(rq, q, group=group), dist.all_to_all_single(rs, scale, group=group)),
         like=q)
     mine = dequantize_blocks(rq, rs).view(n, -1).sum(dim=0)
@@ -50,6 +50,6 @@ def int8_all_reduce(x: torch.Tensor, residual, group, tier: str, groups, record,
         mine += second
     sq, ss = quantize_blocks(mine, second)
     out_q, out_s = torch.empty_like(q), torch.empty_like(scale)
-    run("all_gather", tier, group, groups, half, record,
-        lambda: (all_gather_flat(out_q, sq, group=group), all_gather_flat(out_s, ss, group=group)), like=q)
+    C.run("all_gather", tier, group, groups, half, record,
+        lambda: (C.all_gather_flat(out_q, sq, group=group), C.all_gather_flat(out_s, ss, group=group)), like=q)
     return dequantize_blocks(out_q, out_s)[:m]
