@@ -39,8 +39,12 @@ GROUP = 2
 
 # The `local` defaults of 0.1.x: the tables of docs/convergence.md measured with 0.1.0 used them
 # (`--base 0.1` puts them under every selective run's overrides to reproduce those tables).
-BASE_0_1 = {"local.reconcile_interval": 4, "local.dtype": "fp16", "local.reconcile_dtype": "fp32",
+BASE_0_1 = {"sync.dtype": "fp32", "local.reconcile_interval": 4, "local.dtype": "fp16", "local.reconcile_dtype": "fp32",
             "local.moments_interval": 1, "local.promote_drift_fraction": 0.0}
+
+# The defaults between issue 15 and issue 25 (`--base issue15`): docs/convergence.md's "Fewer
+# slow-tier bytes" table measured its first row and every variant on top of them.
+BASE_ISSUE15 = {"sync.dtype": "fp32", "local.reconcile_dtype": "bf16"}
 
 TASKS = {
     # steps: enough for the curves to flatten on 2 CPU cores (see docs/convergence.md).
@@ -511,9 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/convergence", help="folder for results.json")
     ap.add_argument("--report", metavar="DIR", nargs="+", help="only write the report of DIR/results.json (merged)")
     ap.add_argument("--img-dir", default="docs/img")
-    ap.add_argument("--base", choices=["current", "0.1"], default="current",
-                    help="defaults under the overrides of every selective run: this release's, or 0.1.x's "
-                         "(reproduces the tables measured with 0.1.0)")
+    ap.add_argument("--base", choices=["current", "0.1", "issue15"], default="current",
+                    help="defaults under the overrides of every selective run: this release's, 0.1.x's "
+                         "(reproduces the tables measured with 0.1.0) or those between issues 15 and 25")
     args = ap.parse_args(argv)
     if args.report:
         res = [r for d in args.report for r in json.loads((Path(d) / "results.json").read_text())]
@@ -527,8 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     for task, seed, kind in jobs:
         t0 = time.perf_counter()
         runs = grid(kind)
-        if args.base == "0.1":
-            runs = [(n, m, {**BASE_0_1, **o} if m == "selective" else o) for n, m, o in runs]
+        base = {"0.1": BASE_0_1, "issue15": BASE_ISSUE15}.get(args.base)
+        if base:
+            runs = [(n, m, {**base, **o} if m == "selective" else o) for n, m, o in runs]
         rs = run_grid(task, seed, runs, steps=args.steps)
         results += rs
         (out / "results.json").write_text(json.dumps(results, indent=1))
