@@ -67,7 +67,7 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
             ("local.moments_interval", 1), ("local.reconcile_interval", 4))]
     if kind == "probe":
         return [runs[0], runs[2]]
-    if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback, against today's default
+    if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
         return [runs[2], ("sync.dtype=bf16", "selective", {"sync.dtype": "bf16"})]
     if kind == "wire8":  # issue 25: reconciliation deltas on the int8 wire, alone and with a 16-bit SYNC wire
         i8 = {"local.reconcile_dtype": "int8"}

@@ -39,12 +39,12 @@ class CollectiveError(RuntimeError):
 # torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor in favour of
 # all_gather_single and reduce_scatter_single (same semantics).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, *, group) -> None:
     """Member i's ``inp`` lands in chunk i of ``out`` (``all_gather_single``, or its older name)."""
     _all_gather(out, inp, group=group)
-_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, *, group) -> None:
@@ -191,12 +191,15 @@ def _lossy_all_reduce(v: torch.Tensor, wire: torch.dtype, residual, group, tier:
     return out / scale if scale is not None else out
 
 
+def _hop_residual_numel(m: int, n: int, wire: torch.dtype) -> int:
+    """Residual elements of one `hop` of ``m`` elements over ``n`` members in ``wire``."""
+    return int8_residual_numel(m, n) if wire == torch.int8 else m
+
+
 def residual_numel(numel: int, groups: ReducerGroups, wire: torch.dtype) -> int:
     """Elements of the error-feedback residual of a rail hop that sends ``numel`` elements in ``wire``."""
-    m = rail_numel(numel, groups)
-    if wire != torch.int8:
-        return m
-    return int8_residual_numel(m, groups.spine_rail_size if groups.three_level else groups.inter_size)
+    n = groups.spine_rail_size if groups.three_level else groups.inter_size
+    return _hop_residual_numel(rail_numel(numel, groups), n, wire)
 
 
 def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
@@ -254,7 +257,7 @@ def rail_all_reduce(x: torch.Tensor, groups: ReducerGroups, *, wire: torch.dtype
     sub = torch.empty(buf.numel() // M, dtype=buf.dtype, device=buf.device)
     run("reduce_scatter", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
         lambda: _reduce_scatter(sub, buf, group=leaf), like=buf)
-    want = int8_residual_numel(sub.numel(), groups.spine_rail_size) if wire == torch.int8 else sub.numel()
+    want = _hop_residual_numel(sub.numel(), groups.spine_rail_size, wire)
     if residual is not None and residual.numel() != want:
         raise ValueError(f"topo_align: residual has {residual.numel()} elements; the spine chunk needs {want}")
     hop(sub, wire, residual, spine, "inter", groups, record, groups.spine_rail_size)

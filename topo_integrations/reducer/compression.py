@@ -22,7 +22,7 @@ INT8 wire (reconciliation deltas only, `local.reconcile_dtype: int8`). One fp32 
 ``INT8_BLOCK`` elements (``amax / 127``), values rounded to int8: a block's error is at most half a
 step of its own largest element, so one large delta does not coarsen the rest of the bucket. Sums are
 not formed on the wire (an int8 sum overflows): the collective is an all-to-all of the quantised
-blocks, a local fp32 sum, and an all-gather of the re-quantised sums (collectives.py). Error feedback
+blocks, a local fp32 sum, and an all-gather of the re-quantised sums (int8_wire.py). Error feedback
 keeps the first rounding; the second (of the sum) is the same on every rank.
 
 All tensor arithmetic: no host synchronisation (on CUDA the scale stays on the device).
