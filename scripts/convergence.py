@@ -75,6 +75,10 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
                 ("sync bf16 + reconcile int8", "selective", {**i8, "sync.dtype": "bf16"}),
                 ("sync bf16 + reconcile int8 + moments/8", "selective",
                  {**i8, "sync.dtype": "bf16", "local.moments_interval": 8})]
+    if kind == "sync8":  # issue 25: the SYNC class on the int8 wire, alone and with half as many reconciliations
+        s8 = {"sync.dtype": "int8"}
+        return [("sync.dtype=int8", "selective", s8),
+                ("sync int8 + reconcile_interval 4", "selective", {**s8, "local.reconcile_interval": 4})]
     if kind in ("key", "ci"):
         return runs if kind == "key" else [runs[0], runs[2]]
     if kind != "full":
@@ -507,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
-                             "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8"])
+                             "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 Dtype = Literal["fp32", "bf16", "fp16"]
-ReconcileDtype = Literal["fp32", "bf16", "fp16", "int8"]
+CrossDtype = Literal["fp32", "bf16", "fp16", "int8"]  # wires across groups that may be 8-bit
 Mode = Literal["flat", "hierarchical", "selective"]
 SourceKind = Literal["auto", "file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "hostnames"]
 
@@ -113,7 +113,7 @@ class SyncConfig(_Section):
     """Fraction of all gradient elements, chosen by importance, that is SYNC in addition to the
     last N layers and `always_sync`; 1 makes `selective` equal `hierarchical`."""
 
-    dtype: Dtype = "bf16"
+    dtype: CrossDtype = "bf16"
     """Wire dtype of SYNC gradients across groups (the rail hop; inside the island SYNC stays fp32),
     with error feedback when lossy. `bf16` (default since issue 25) halves the SYNC bytes on the
     slow tier: 3 seeds on the 8- and 16-layer GPT and digits put it within the seed spread of `fp32`
@@ -139,7 +139,7 @@ class LocalConfig(_Section):
     """Start the reconciliation without blocking and apply it as a correction one interval later
     (staleness bounded by one interval)."""
 
-    reconcile_dtype: ReconcileDtype = "int8"
+    reconcile_dtype: CrossDtype = "int8"
     """Wire dtype of a reconciliation across groups. `fp32` averages the values exactly; `bf16` /
     `fp16` average the change since the last reconciliation (the delta: small numbers, so a 16-bit
     wire with error feedback loses little) and add it to the last reconciled value, halving the

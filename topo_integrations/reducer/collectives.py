@@ -202,6 +202,15 @@ def residual_numel(numel: int, groups: ReducerGroups, wire: torch.dtype) -> int:
     return _hop_residual_numel(rail_numel(numel, groups), n, wire)
 
 
+def scatter_residual_numel(numel: int, groups: ReducerGroups, wire: torch.dtype) -> int:
+    """Elements of the error-feedback residual of `rail_reduce_scatter` of ``numel`` elements in ``wire``."""
+    if wire != torch.int8:
+        return numel
+    from .int8_wire import int8_scatter_residual_numel
+
+    return int8_scatter_residual_numel(numel, groups.inter_size)
+
+
 def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
     """All-reduce SUM of ``x`` over ``group`` with wire dtype ``wire``; writes and returns ``x``."""
     if n_contrib <= 1:
@@ -295,7 +304,7 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
     Phases:
       1. reduce-scatter SUM inside the intra group (``t`` padded to a multiple of L = intra size);
       2. all-reduce SUM of my shard over the inter group (the rail) in ``inter_dtype``; when that
-         is lossy, FP16-safe scaling and error feedback into ``residual`` (fp32, ``rail_numel`` of
+         is lossy, FP16-safe scaling and error feedback into ``residual`` (fp32, ``residual_numel`` of
          the shard); with ``topology.middle_level`` this is `rail_all_reduce`'s leaf reduce-scatter,
          spine all-reduce and leaf all-gather;
       3. divide the shard by L*K when averaging; all-gather the shards inside the intra group.
@@ -312,9 +321,9 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
              lambda: _reduce_scatter(shard, buf, group=intra), like=buf)
     else:
         shard = buf
-    if residual is not None and residual.numel() != rail_numel(shard.numel(), groups):
-        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the rail payload has "
-                         f"{rail_numel(shard.numel(), groups)}")
+    want = residual_numel(shard.numel(), groups, inter_dtype)
+    if residual is not None and residual.numel() != want:
+        raise ValueError(f"topo_align: residual has {residual.numel()} elements; the rail payload needs {want}")
     rail_all_reduce(shard, groups, wire=inter_dtype, residual=residual, low_priority=low_priority, record=record)
     if average and L * K > 1:
         shard.div_(L * K)
@@ -402,7 +411,8 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
 
     Phases: 1. (FP16 wire) MAX all-reduce of amax over the rail for a common scale; 2. quantise
     (error feedback into ``residual``, shape ``x``) and reduce-scatter in ``wire``; 3. back to
-    ``out``'s dtype. Always over the two-level rail (also with ``middle_level``).
+    ``out``'s dtype. Always over the two-level rail (also with ``middle_level``). An int8 wire is
+    `int8_wire.int8_reduce_scatter` (per-block scales; residual ``scatter_residual_numel``).
     """
     _check(x, "rail_reduce_scatter", groups)
     check_device(out, groups, "rail_reduce_scatter")
@@ -413,6 +423,10 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
     if out.numel() * K != x.numel():
         raise ValueError(f"topo_align: rail_reduce_scatter of {x.numel()} elements over {K} ranks needs an "
                          f"output of {x.numel() // K}; got {out.numel()}")
+    if wire == torch.int8:
+        from .int8_wire import int8_reduce_scatter  # that module builds on this one's run()
+
+        return int8_reduce_scatter(out, x, residual, rail, "inter", groups, record, K)
     if wire == x.dtype or not is_lossy(x.dtype, wire):
         w = x if wire == x.dtype else x.to(wire)
         o = out if out.dtype == wire else torch.empty(out.numel(), dtype=wire, device=out.device)

@@ -83,7 +83,7 @@ class Wire:
         """Island reduce-scatter, rail all-reduce of the shard in ``wire`` (error feedback under
         ``key``), island all-gather (three levels with ``topology.middle_level``)."""
         g = self.groups
-        res = self.residual(key, C.rail_numel(-(-t.numel() // g.intra_size), g), t.dtype, wire)
+        res = self.residual(key, C.residual_numel(-(-t.numel() // g.intra_size), g, wire), t.dtype, wire)
         return C.hierarchical_all_reduce(t, g, inter_dtype=wire, residual=res, average=average,
                                          low_priority=low_priority, record=self._rec[cls])
 
@@ -111,7 +111,7 @@ class Wire:
                              cls: str = "sync") -> torch.Tensor:
         """Reduce-scatter SUM of ``t`` over my rail into ``out`` (rail member i gets chunk i), in
         ``wire`` with error feedback under ``key`` (ZeRO-3's cross-island step)."""
-        res = self.residual(key, t.numel(), t.dtype, wire)
+        res = self.residual(key, C.scatter_residual_numel(t.numel(), self.groups, wire), t.dtype, wire)
         return C.rail_reduce_scatter(out, t, self.groups, wire=wire, residual=res, record=self._rec[cls])
 
     def reduce_scatter_intra_(self, out: torch.Tensor, t: torch.Tensor, *, cls: str = "sync") -> torch.Tensor:
