@@ -24,7 +24,7 @@ from topo_integrations.topology import load_topology_file  # noqa: E402
 
 BEGIN, END = "<!-- costmodel_960:begin -->", "<!-- costmodel_960:end -->"
 DOC = os.path.join(ROOT, "docs", "costmodel.md")
-KEYS = ["ring", "tree", "nccl", "hier2", "hier2-b2b", "hier3", "hier3-b2b", "selective"]
+KEYS = ["ring", "tree", "nccl", "hier2", "hier2-b2b", "hier3", "hier3-b2b", "selective", "localsgd"]
 FABRICS = [("1:1", "leaf"), ("1:1", "scattered"), ("2:1", "leaf"), ("2:1", "scattered")]
 LAYOUTS = [("pure DP (TP1 x PP1 x DP960)", 1, 1), ("TP8 x PP8 x DP15", 8, 8)]
 # The design's first estimate (made before this model; NCCL latencies 6/14 us, pipelined times),
@@ -162,7 +162,7 @@ def verdicts(results) -> str:
     lines = []
     best = {}
     for (lname, over, order, overlap), res in results.items():
-        for k in ("hier2-b2b", "hier3", "hier3-b2b", "selective"):
+        for k in ("hier2-b2b", "hier3", "hier3-b2b", "selective", "localsgd"):
             try:
                 r = res.row(k)
             except KeyError:
@@ -187,8 +187,11 @@ def verdicts(results) -> str:
     lines.append(f"- TP8 x PP8 x DP15, 1:1, leaf order, overlap off: DP gradient sync is "
                  f"{td.row('ring').exposed_s / td.row('ring').step_s:.1%} of the step (flat ring); selective "
                  f"{td.row('selective').comm_s:.3f} s vs ring {td.row('ring').comm_s:.3f} s per step")
+    ls = lead.row("localsgd").tier_bytes_per_gpu
     rn = lead.row("ring").tier_bytes_per_gpu
     sn = lead.row("selective").tier_bytes_per_gpu
+    lines.append(f"- selective vs post-local SGD (H = {SimOptions().localsgd_period}), bytes through the NICs per GPU "
+                 f"(pure DP, 1:1, leaf order): {(sn['leaf'] + sn['spine']) / (ls['leaf'] + ls['spine']) - 1:+.0%}")
     lines.append(f"- selective vs flat ring, bytes through the NICs per GPU (pure DP, 1:1, leaf order): "
                  f"{(sn['leaf'] + sn['spine']) / (rn['leaf'] + rn['spine']) - 1:+.0%}; all bytes on all tiers: "
                  f"{sum(sn.values()) / sum(rn.values()) - 1:+.0%}")
@@ -201,16 +204,24 @@ def sensitivity() -> str:
     wl = workload(1, 1)
     ring = simulate(topo, wl, SimOptions(algorithms=("ring",))).row("ring").tier_bytes_per_gpu
     ring_nic = ring["leaf"] + ring["spine"]
-    rows = ["| SYNC dtype | reconcile dtype | H = 1 | H = 4 | H = 8 | H = 16 |", "|---|---|---:|---:|---:|---:|"]
-    for sd, rd in (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")):
+    d = SimOptions()
+    rows = ["| SYNC dtype | reconcile dtype | promotion | H = 1 | H = 2 | H = 4 | H = 8 | H = 16 |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for sd, rd, pf in (("fp32", "fp32", 0.0), ("bf16", "bf16", 0.0), ("bf16", "int8", d.promote_fraction),
+                       ("int8", "int8", d.promote_fraction), ("int8", "int8", 0.0)):
         cells = []
-        for h in (1, 4, 8, 16):
-            r = simulate(topo, wl, SimOptions(algorithms=("selective",), sync_dtype=sd, reconcile_dtype=rd,
-                                              reconcile_interval=h)).row("selective").tier_bytes_per_gpu
+        for h in (1, 2, 4, 8, 16):
+            o = SimOptions(algorithms=("selective",), sync_dtype=sd, reconcile_dtype=rd, promote_fraction=pf,
+                           reconcile_interval=h)
+            r = simulate(topo, wl, o).row("selective").tier_bytes_per_gpu
             cells.append(f"{(r['leaf'] + r['spine']) / ring_nic - 1:+.0%}")
-        rows.append(f"| {sd} | {rd} | " + " | ".join(cells) + " |")
+        rows.append(f"| {sd} | {rd} | {pf:g} | " + " | ".join(cells) + " |")
+    base = d.top_fraction + min(1.0, d.last_n_layers / 96)
     return ("\n#### Selective: NIC bytes per step vs flat ring as the knobs change (pure DP, 1:1, leaf order; "
-            "SYNC share 15% + last 5 of 96 layers = 20.2%)\n\n" + "\n".join(rows) + "\n")
+            f"SYNC share {d.top_fraction:.0%} + last {d.last_n_layers} of 96 layers = {base:.1%}, plus the "
+            f"drift-promotion budget where given; Adam's moments every {d.moments_interval}th reconciliation; "
+            f"defaults: sync {d.sync_dtype}, reconcile {d.reconcile_dtype}, H = {d.reconcile_interval})\n\n"
+            + "\n".join(rows) + "\n")
 
 
 def main() -> int:

@@ -52,7 +52,8 @@ def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
             {"local": {"reconcile_interval": 0}},
             "topo_align.local.reconcile_interval: got 0; Input should be greater than or equal to 1",
         ),
-        ({"sync": {"dtype": "int8"}}, "topo_align.sync.dtype: got 'int8'; Input should be 'fp32', 'bf16' or 'fp16'"),
+        ({"sync": {"dtype": "fp8"}},
+         "topo_align.sync.dtype: got 'fp8'; Input should be 'fp32', 'bf16', 'fp16' or 'int8'"),
         (
             {"local": {"reconcile_interval": "5"}},
             "topo_align.local.reconcile_interval: got '5'; Input should be a valid integer",

@@ -183,6 +183,14 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     rail_reduce_scatter(o16, x, g, wire=torch.float16, residual=torch.zeros(x.numel()))
     out["rail_rs_fp32_rel"] = _rel(o32, want)
     out["rail_rs_fp16_rel"] = _rel(o16, want)
+    #     int8 wire (sync.dtype int8 under ZeRO-3): each 301-element chunk padded to whole blocks on
+    #     its own, so member i still gets chunk i; one rounding per block.
+    from topo_integrations.reducer.collectives import scatter_residual_numel
+
+    o8 = torch.empty(301)
+    r8 = torch.zeros(scatter_residual_numel(x.numel(), g, torch.int8))
+    rail_reduce_scatter(o8, x, g, wire=torch.int8, residual=r8)
+    out["rail_rs_int8_rel"] = _rel(o8, want)
 
     # 11. int8 reconciliation wire (local.reconcile_dtype int8): identical everywhere; within the
     #     per-block grid of the exact mean; error feedback repays the rounding over steps; a
@@ -215,6 +223,25 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     out["int8_rel"] = worst
     out["int8_ef_err"] = float((s_ef - s_ex).norm() / s_ex.norm())
     out["int8_no_ef_err"] = float((s_no - s_ex).norm() / s_ex.norm())
+    # 12. int8 SYNC wire (sync.dtype int8): hierarchical all-reduce, every rank its own gradient;
+    #     identical everywhere, within the per-block grid of the exact mean; error feedback repays it.
+    from topo_integrations.reducer.collectives import residual_numel as rnum
+
+    res = torch.zeros(rnum(-(-n // g.intra_size), g, torch.int8))
+    s_ef.zero_(), s_no.zero_(), s_ex.zero_()
+    worst = 0.0
+    for _ in range(max(1, ef_steps)):
+        xs = [bases[r] + 0.3 * torch.randn(n, generator=noise[r]) for r in range(world)]
+        exact = torch.stack(xs).double().mean(0)
+        y = hierarchical_all_reduce(xs[rank].clone(), g, inter_dtype=torch.int8, residual=res)
+        worst = max(worst, _rel(y, exact))
+        s_ex += exact
+        s_ef += y.double()
+        s_no += hierarchical_all_reduce(xs[rank].clone(), g, inter_dtype=torch.int8).double()
+        out["sync_int8_same"] = _same_everywhere(y)
+    out["sync_int8_rel"] = worst
+    out["sync_int8_ef_err"] = float((s_ef - s_ex).norm() / s_ex.norm())
+    out["sync_int8_no_ef_err"] = float((s_no - s_ex).norm() / s_ex.norm())
     x = torch.ones(n)
     if rank == 0:
         x[3] = float("inf")
@@ -332,6 +359,13 @@ def assert_collectives(results: list[dict]) -> None:
         assert c["int8_rel"] <= 3e-2, c["int8_rel"]
         if c["ef_steps"] >= 50:
             assert c["int8_ef_err"] * 5 <= c["int8_no_ef_err"], (c["int8_ef_err"], c["int8_no_ef_err"])
+        # sync.dtype int8: the same grid on the SYNC path (hierarchical) and ZeRO-3's reduce-scatter
+        # (one rounding per block: at most half a step, amax/254, of a block's values)
+        assert c["sync_int8_same"] and c["sync_int8_rel"] <= 3e-2, c["sync_int8_rel"]
+        assert c["rail_rs_int8_rel"] <= 1.5e-2, c["rail_rs_int8_rel"]
+        if c["ef_steps"] >= 50 and c["inter_size"] > 1:
+            assert c["sync_int8_ef_err"] * 5 <= c["sync_int8_no_ef_err"], (c["sync_int8_ef_err"],
+                                                                          c["sync_int8_no_ef_err"])
 
 
 @pytest.mark.timeout(200)

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", default="2x2", choices=sorted(PRESETS),
                    help="emulated cluster: 2x2 (default; 2 nodes x 2 ranks, 200 Mbit/s uplinks), 4x1, 2leaf, 2leaf8; "
-                        "2x2-long: the long-horizon comparison (deep GPT, 40 Mbit/s, equal wall-clock budget, "
+                        "2x2-long: the long-horizon comparison (deep GPT, 100 Mbit/s, equal wall-clock budget, "
                         "validation curves; docs/benchmarks.md)")
     p.add_argument("--systems", default=None, metavar="A,B,...",
                    help="comma-separated subset, in run order (default: the preset's, else all): "

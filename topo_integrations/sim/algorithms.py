@@ -16,7 +16,7 @@ from .model import SIM_TIERS, Fabric, Phase, SimError, combine, ring_phase
 
 __all__ = [
     "NotApplicable", "ALGORITHMS", "Stream", "CommCost", "SelectiveSpec",
-    "flat_ring", "double_binary_tree", "hierarchical_2level", "hierarchical_3level", "selective",
+    "flat_ring", "double_binary_tree", "hierarchical_2level", "hierarchical_3level", "selective", "local_sgd",
     "split_groups", "three_level_groups",
 ]
 
@@ -29,6 +29,7 @@ ALGORITHMS: dict[str, str] = {
     "hier3": "3-level hier., pipelined",
     "hier3-b2b": "3-level hier., back-to-back",
     "selective": "Selective (SYNC hier. + LOCAL in group)",
+    "localsgd": "Post-local SGD (grads in group, params averaged every H)",
 }
 
 
@@ -283,11 +284,18 @@ class SelectiveSpec:
 
     top_fraction: float = 0.15
     last_n_share: float = 0.0
-    """Share of gradient elements in the last N layers (+ always_sync tensors)."""
-    sync_bytes: int = 4
-    local_bytes: int = 2
-    reconcile_bytes: int = 4
+    """Share of gradient elements in the last N layers (+ always_sync tensors, + the drift-promotion
+    budget once it is spent)."""
+    sync_bytes: float = 4
+    """Bytes per SYNC element on the wire across groups (``sync.dtype``)."""
+    grad_bytes: float = 4
+    """Bytes per SYNC element inside the group (the gradient dtype: the island phases stay exact)."""
+    local_bytes: float = 2
+    reconcile_bytes: float = 4
     """Bytes per element of the parameters averaged at reconciliation (fp32 master weights by default)."""
+    moments_bytes: float = 0.0
+    """Optimizer-moment bytes per LOCAL element and reconciliation, amortised: Adam's two fp32
+    moments averaged at every ``local.moments_interval``-th reconciliation are 8 / that interval."""
     reconcile_interval: int = 4
     async_reconcile: bool = True
     pipelined: bool = False
@@ -310,13 +318,14 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
     """Selective reduction of ``elements`` gradient elements per rank.
 
     Per step:
-      1. SYNC stream (fraction f = top_fraction + last-N share): exact 2-level all-reduce of
-         f * elements in the sync dtype;
+      1. SYNC stream (fraction f = top_fraction + last-N share): 2-level all-reduce of f * elements,
+         in the gradient dtype inside the group and in the sync dtype across groups;
       2. LOCAL stream: ring all-reduce of (1 - f) * elements in the local dtype inside each intra group.
     Every reconcile_interval (H) steps, charged 1/H per step:
       3. each rank all-reduces its 1/g slice of the LOCAL parameters over its rail
          (2(R-1)/R * (1-f) * elements * reconcile_bytes / g), then
-      4. all-gathers them inside the group ((g-1)/g * (1-f) * elements * reconcile_bytes).
+      4. all-gathers them inside the group ((g-1)/g * (1-f) * elements * reconcile_bytes);
+      the optimizer moments ride along at ``moments_bytes`` per element.
     """
     spec.validate()
     intra, rails = split_groups(fab, groups, group_by)
@@ -324,10 +333,11 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
     f = spec.sync_fraction
     sync_b = f * elements * spec.sync_bytes
     local_b = (1.0 - f) * elements * spec.local_bytes
-    rec_b = (1.0 - f) * elements * spec.reconcile_bytes
+    rec_b = (1.0 - f) * elements * (spec.reconcile_bytes + spec.moments_bytes)
     streams = []
     if f > 0:
-        streams.append(Stream("sync", f, _hier2_phases(fab, intra, rails, sync_b, sync_b, "SYNC "), spec.pipelined))
+        streams.append(Stream("sync", f, _hier2_phases(fab, intra, rails, f * elements * spec.grad_bytes, sync_b,
+                                                       "SYNC "), spec.pipelined))
     if f < 1:
         streams.append(
             Stream("local", 1.0 - f, [ring_phase(fab, intra, local_b, "allreduce", "LOCAL intra all-reduce")], True)
@@ -343,3 +353,21 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
             p.latency_s /= h
     return CommCost("selective", ALGORITHMS["selective"], streams, background,
                     background_blocking=not spec.async_reconcile)
+
+
+def local_sgd(fab: Fabric, groups: np.ndarray, elements: float, grad_bytes: float, param_bytes: float,
+              period: int, group_by: str = "island") -> CommCost:
+    """Post-local SGD (PyTorch's post_localSGD_hook + a one-level HierarchicalModelAverager), after
+    its warm-up:
+      1. every step, a ring all-reduce of the gradient inside each intra group (the DDP subgroup);
+      2. every ``period`` steps, a ring all-reduce of the parameters over the whole data-parallel
+         group, blocking (the averager runs after the optimizer step), charged 1/period per step.
+    """
+    if not (isinstance(period, int) and period >= 1):
+        raise SimError(f"post-local SGD period = {period!r}; expected an integer >= 1")
+    intra, _ = split_groups(fab, groups, group_by)
+    stream = Stream("grad", 1.0, [ring_phase(fab, intra, elements * grad_bytes, "allreduce", "intra all-reduce")],
+                    True)
+    avg = ring_phase(fab, groups, elements * param_bytes, "allreduce", "parameter all-reduce").scaled(1.0 / period)
+    avg.latency_s /= period
+    return CommCost("localsgd", ALGORITHMS["localsgd"], [stream], [avg], background_blocking=True)

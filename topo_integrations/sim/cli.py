@@ -19,6 +19,8 @@ from .model import DTYPE_BYTES, GRADIENT_DTYPES, RANK_ORDERS, SimError
 from .scenario import SimOptions, options_from_block, simulate
 from .workload import Workload, workload_from_deepspeed_config, workload_from_megatron_args
 
+_D = SimOptions()  # the defaults the help texts name
+
 __all__ = ["add_arguments", "run", "main", "options_and_workload"]
 
 
@@ -33,7 +35,13 @@ def _float(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--topology", required=True, metavar="FILE", help="JSON topology file (docs/topology-format.md)")
+    p.add_argument("--topology", metavar="FILE", help="JSON topology file (docs/topology-format.md); required "
+                   "unless --bench")
+    p.add_argument("--bench", metavar="RESULTS.json",
+                   help="price the systems of a `topo-align bench` run (its results.json) on the cluster it "
+                        "emulated and compare with what it measured (docs/costmodel.md, section 4)")
+    p.add_argument("--tolerance", type=_float, default=0.25,
+                   help="with --bench: the relative error counted as a match (default 0.25)")
     m = p.add_argument_group("model and layout")
     m.add_argument("--params", type=_float, help="model parameters, e.g. 175e9")
     m.add_argument("--grad-dtype", choices=list(GRADIENT_DTYPES), help="gradient dtype (default bf16)")
@@ -58,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--seq-length", type=int, metavar="N",
                    help=f"tokens per sample, with --deepspeed-config's train_batch_size (default {DEFAULT_SEQ_LENGTH})")
     o = p.add_argument_group("algorithms and modes")
-    o.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"comma list of {', '.join(ALGORITHMS)}")
+    o.add_argument("--algorithms", default=",".join(_D.algorithms),
+                   help=f"comma list of {', '.join(ALGORITHMS)} (default: all but localsgd)")
     o.add_argument("--rank-order", choices=list(RANK_ORDERS), default="leaf",
                    help="leaf: hosts grouped by leaf; scattered: seeded random host order; file: as written")
     o.add_argument("--seed", type=int, default=0, help="seed of the scattered order")
@@ -66,21 +75,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--bucket-mb", type=_float, help="bucket size, MiB (default 25)")
     o.add_argument("--no-overlap", action="store_true", help="launch all buckets after backward")
     o.add_argument("--inter-dtype", choices=list(GRADIENT_DTYPES), help="wire dtype of the plugin's cross-group phases")
-    o.add_argument("--top-fraction", type=_float, help="selective: SYNC share chosen by importance (default 0.15)")
-    o.add_argument("--last-n-layers", type=int, help="selective: last N layers always SYNC (default 5)")
+    o.add_argument("--top-fraction", type=_float,
+                   help=f"selective: SYNC share chosen by importance (default {_D.top_fraction:g})")
+    o.add_argument("--last-n-layers", type=int,
+                   help=f"selective: last N layers always SYNC (default {_D.last_n_layers})")
     o.add_argument(
         "--last-n-share",
         type=_float,
         help="selective: share of the gradient in the last N layers (overrides the layer count)",
     )
-    o.add_argument("--sync-dtype", choices=list(GRADIENT_DTYPES), help="selective: SYNC wire dtype (default fp32)")
-    o.add_argument("--local-dtype", choices=list(GRADIENT_DTYPES), help="selective: LOCAL wire dtype (default fp16)")
+    o.add_argument("--promote-fraction", type=_float,
+                   help=f"selective: SYNC share added by drift promotion (default {_D.promote_fraction:g}, "
+                        "local.promote_drift_fraction)")
+    o.add_argument("--sync-dtype", choices=list(DTYPE_BYTES),
+                   help=f"selective: SYNC wire dtype across groups (default {_D.sync_dtype})")
+    o.add_argument("--local-dtype", choices=list(GRADIENT_DTYPES),
+                   help=f"selective: LOCAL wire dtype (default {_D.local_dtype})")
     o.add_argument(
         "--reconcile-dtype",
         choices=list(DTYPE_BYTES),
-        help="selective: dtype of parameters averaged at reconciliation (default fp32)",
+        help=f"selective: wire dtype of the parameters (deltas) averaged at reconciliation "
+             f"(default {_D.reconcile_dtype})",
     )
-    o.add_argument("--reconcile-interval", type=int, help="selective: steps between reconciliations (default 4)")
+    o.add_argument("--reconcile-interval", type=int,
+                   help=f"selective: steps between reconciliations (default {_D.reconcile_interval})")
+    o.add_argument("--moments-interval", type=int,
+                   help=f"selective: Adam moments averaged at every N-th reconciliation "
+                        f"(default {_D.moments_interval})")
+    o.add_argument("--localsgd-period", type=int,
+                   help=f"localsgd: steps between parameter averagings (default {_D.localsgd_period})")
     o.add_argument("--async-reconcile", dest="async_reconcile", action="store_true", default=None)
     o.add_argument("--sync-reconcile", dest="async_reconcile", action="store_false")
     out = p.add_argument_group("output")
@@ -118,7 +141,8 @@ def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions
     okw = {"algorithms": tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
            "rank_order": args.rank_order, "seed": args.seed}
     for flag in ("group_by", "bucket_mb", "inter_dtype", "top_fraction", "last_n_layers", "last_n_share",
-                 "sync_dtype", "local_dtype", "reconcile_dtype", "reconcile_interval", "async_reconcile"):
+                 "promote_fraction", "sync_dtype", "local_dtype", "reconcile_dtype", "reconcile_interval",
+                 "moments_interval", "localsgd_period", "async_reconcile"):
         v = getattr(args, flag, None)
         if v is not None:
             okw[flag] = v
@@ -129,8 +153,32 @@ def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions
     return wl, replace(opt, **okw)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .benchcheck import check_bench, render_markdown
+
     try:
+        try:
+            results = json.loads(Path(args.bench).read_text())
+        except (OSError, ValueError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise SimError(f"--bench {args.bench}: cannot read JSON ({why})") from None
+        rows, notes = check_bench(results, compute_s=args.compute_s)
+    except (SimError, TopologyError, KeyError) as exc:
+        print(f"topo-align simulate: {exc}", file=sys.stderr)
+        return 2
+    print(render_markdown(rows, notes, args.tolerance))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench:
+        return _run_bench(args)
+    try:
+        if not args.topology:
+            raise SimError("--topology FILE is required (or --bench RESULTS.json)")
         topo = load_topology_file(args.topology)
         wl, opt = options_and_workload(args)
         wl = with_compute_defaults(wl, args.gpu or topo.gpu,

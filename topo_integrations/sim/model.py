@@ -44,9 +44,9 @@ __all__ = [
 
 SIM_TIERS: tuple[str, ...] = ("island", "host", "leaf", "spine")
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1 + 4 / 256}
-"""Wire bytes per element; int8 (reconciliation only) carries one fp32 scale per 256 elements."""
+"""Wire bytes per element; int8 carries one fp32 scale per 256 elements."""
 GRADIENT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
-"""The wire dtypes a gradient hop may use (int8 is a reconciliation wire only)."""
+"""The wire dtypes every gradient hop may use (int8 only on the SYNC and reconciliation wires)."""
 RANK_ORDERS: tuple[str, ...] = ("leaf", "scattered", "file")
 GB = 1e9
 
@@ -56,7 +56,7 @@ class SimError(ValueError):
 
 
 def dtype_bytes(name: str, what: str = "dtype") -> float:
-    accepted = list(DTYPE_BYTES) if what == "reconcile_dtype" else list(GRADIENT_DTYPES)
+    accepted = list(DTYPE_BYTES) if what in ("reconcile_dtype", "sync_dtype") else list(GRADIENT_DTYPES)
     if name not in accepted:
         raise SimError(f"{what} = {name!r}; expected one of {accepted}")
     return DTYPE_BYTES[name]

@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from ..config import LocalConfig, SyncConfig
 from ..topology.model import Topology
 from .algorithms import (
     ALGORITHMS,
@@ -16,6 +17,7 @@ from .algorithms import (
     flat_ring,
     hierarchical_2level,
     hierarchical_3level,
+    local_sgd,
     selective,
 )
 from .model import DTYPE_BYTES, RANK_ORDERS, SIM_TIERS, Fabric, SimError, apply_rank_order, dtype_bytes
@@ -27,9 +29,15 @@ __all__ = ["SimOptions", "Row", "SimResult", "simulate", "options_from_block"]
 MIB = 1024 * 1024
 
 
+def _default(section, name: str):
+    """The plugin's default of a config key: the cost model prices what a user gets."""
+    return section.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class SimOptions:
-    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
+    algorithms: tuple[str, ...] = tuple(k for k in ALGORITHMS if k != "localsgd")
+    """Priced algorithms; post-local SGD (``localsgd``, a peer) only when asked for."""
     rank_order: str = "leaf"
     seed: int = 0
     bucket_mb: float = 25.0
@@ -39,15 +47,21 @@ class SimOptions:
     """Wire dtype of the plugin's cross-group phases (hier2-b2b, hier3*); None = gradient dtype.
     The NCCL-style baseline ``hier2`` always uses the gradient dtype."""
     group_by: str = "island"
-    top_fraction: float = 0.15
-    last_n_layers: int = 5
+    top_fraction: float = _default(SyncConfig, "top_fraction")
+    last_n_layers: int = _default(SyncConfig, "last_n_layers")
     last_n_share: float | None = None
     """Share of the gradient in the last N layers; None = last_n_layers / layers per pipeline stage."""
-    sync_dtype: str = "fp32"
-    local_dtype: str = "fp16"
-    reconcile_dtype: str = "fp32"
-    reconcile_interval: int = 4
-    async_reconcile: bool = True
+    promote_fraction: float = _default(LocalConfig, "promote_drift_fraction")
+    """SYNC share added by drift promotion (the budget; spent early in the runs measured)."""
+    sync_dtype: str = _default(SyncConfig, "dtype")
+    local_dtype: str = _default(LocalConfig, "dtype")
+    reconcile_dtype: str = _default(LocalConfig, "reconcile_dtype")
+    reconcile_interval: int = _default(LocalConfig, "reconcile_interval")
+    moments_interval: int = _default(LocalConfig, "moments_interval")
+    """Adam's two fp32 moments of LOCAL tensors are averaged at every this many-th reconciliation."""
+    async_reconcile: bool = _default(LocalConfig, "async_reconcile")
+    localsgd_period: int = 4
+    """Post-local SGD (``localsgd``): parameters averaged over all ranks every this many steps."""
 
     def validate(self) -> None:
         bad = [a for a in self.algorithms if a not in ALGORITHMS]
@@ -65,6 +79,12 @@ class SimOptions:
             dtype_bytes(self.inter_dtype, "inter_dtype")
         if isinstance(self.last_n_layers, bool) or not isinstance(self.last_n_layers, int) or self.last_n_layers < 0:
             raise SimError(f"last_n_layers = {self.last_n_layers!r}; expected an integer >= 0")
+        for what in ("moments_interval", "localsgd_period"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SimError(f"{what} = {v!r}; expected an integer >= 1")
+        if not (isinstance(self.promote_fraction, (int, float)) and 0.0 <= self.promote_fraction <= 1.0):
+            raise SimError(f"promote_fraction = {self.promote_fraction!r}; expected a number in [0, 1]")
 
 
 def options_from_block(block, base: SimOptions) -> SimOptions:
@@ -76,8 +96,9 @@ def options_from_block(block, base: SimOptions) -> SimOptions:
         bucket_mb=block.communication.bucket_size_mb, overlap=block.communication.overlap,
         inter_dtype=block.communication.inter_dtype, group_by=block.topology.group_by,
         top_fraction=block.sync.top_fraction, last_n_layers=block.sync.last_n_layers,
-        sync_dtype=block.sync.dtype, local_dtype=block.local.dtype,
+        sync_dtype=block.sync.dtype, local_dtype=block.local.dtype, reconcile_dtype=block.local.reconcile_dtype,
         reconcile_interval=block.local.reconcile_interval, async_reconcile=block.local.async_reconcile,
+        moments_interval=block.local.moments_interval, promote_fraction=block.local.promote_drift_fraction,
     )
 
 
@@ -151,6 +172,9 @@ def _cost(key: str, fab: Fabric, groups, wl: Workload, opt: SimOptions, spec: Se
         return hierarchical_3level(fab, groups, g_bytes, pipelined=False, inter_bytes=inter)
     if key == "selective":
         return selective(fab, groups, wl.grad_elements, spec, group_by=opt.group_by)
+    if key == "localsgd":
+        return local_sgd(fab, groups, wl.grad_elements, DTYPE_BYTES[wl.grad_dtype], DTYPE_BYTES["fp32"],
+                         opt.localsgd_period, group_by=opt.group_by)
     raise SimError(f"algorithm {key!r}; expected one of {list(ALGORITHMS)}")
 
 
@@ -210,8 +234,10 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         if "selective" in opt.algorithms:
             notes.append("selective: layer count unknown (no --num-layers), last-N share taken as 0")
     spec = SelectiveSpec(
-        top_fraction=opt.top_fraction, last_n_share=last_share, sync_bytes=DTYPE_BYTES[opt.sync_dtype],
+        top_fraction=opt.top_fraction, last_n_share=min(1.0, last_share + opt.promote_fraction),
+        sync_bytes=DTYPE_BYTES[opt.sync_dtype], grad_bytes=DTYPE_BYTES[wl.grad_dtype],
         local_bytes=DTYPE_BYTES[opt.local_dtype], reconcile_bytes=DTYPE_BYTES[opt.reconcile_dtype],
+        moments_bytes=8.0 / opt.moments_interval,
         reconcile_interval=opt.reconcile_interval, async_reconcile=opt.async_reconcile,
     )
     spec.validate()
