@@ -141,7 +141,7 @@ def _checkpoint(rank, tmpdir):
     cases = {"hierarchical-z2": (2, H.topo_block("hierarchical")),
              "hierarchical-z3": (3, H.topo_block("hierarchical")),
              "selective-z0": (0, H.topo_block("selective", local={"reconcile_interval": 3, "dtype": "fp16"})),
-             "selective-z1": (1, H.topo_block("selective", local={"reconcile_interval": 3})),
+             "selective-z1": (1, H.topo_block("selective", local={"reconcile_interval": 3}, sync={"dtype": "int8"})),
              "selective-z1-async": (1, H.topo_block("selective", local={"reconcile_interval": 3,
                                                                         "async_reconcile": True})),
              "selective-z2": (2, H.topo_block("selective", local={"reconcile_interval": 3}, sync={"dtype": "fp16"}))}

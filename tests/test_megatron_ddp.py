@@ -319,7 +319,9 @@ def _engine_checks(rank, spec):
     out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000},
                                                           sync={"dtype": "fp32"}),  # fp16 level: from fp32 only
                                           dist_opt=True, steps=7, at_step=_force_level("fp16"))
-    out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}), dist_opt=True, steps=6)
+    # with the opt-in int8 SYNC wire (the distributed optimizer's rail hop of the SYNC ranges)
+    out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}, sync={"dtype": "int8"}),
+                                       dist_opt=True, steps=6)
     out["delta_distopt"] = _engine_run(
         rank, spec, cfg(local={"reconcile_dtype": "bf16", "moments_interval": 2, "outer_momentum": 0.5}),
         dist_opt=True, steps=7)
@@ -719,6 +721,7 @@ def test_drift_promotion_moves_tensors_to_sync(world, case):
     assert len(promoted) == 1 and world[0]["engine"][case]["promoted"]
     r0 = world[0]["engine"][case]["recs"]
     assert r0[-1]["n_sync"] > r0[0]["n_sync"]
+    assert world[0]["engine"][case]["sync_dtype"] == ("torch.int8" if case == "drift_distopt" else "torch.bfloat16")
 
 
 @pytest.mark.timeout(960)

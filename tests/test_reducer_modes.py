@@ -378,6 +378,18 @@ def s_defaults(rank, world, groups):
            "budget": cfg.local.promote_drift_fraction}
     red.close()
     out["round_trip"] = _round_trip(rank, groups, cfg, total=12, k=5, n_layers=8)
+    # sync.dtype int8 (opt-in): invariant 1 on every step (SYNC identical everywhere with the int8
+    # rail hop and its two-part residuals) and a bitwise resume with those residuals in the state.
+    cfg8 = cfg.model_copy(update={"sync": cfg.sync.model_copy(update={"dtype": "int8"})})
+    model = make(15, n_layers=8)
+    red = GroupedReducer(model, cfg8, groups=groups)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, red, opt, rank, 0, 8, verify=True)
+    res = red.engine.wire.residual_state()
+    # int8 residuals: the payload padded to whole 256-blocks per rail member plus the owner's chunk
+    out["sync8_residuals"] = {k: v.numel() for k, v in res.items() if k.startswith("sync/") and v.abs().sum() > 0}
+    red.close()
+    out["sync8_round_trip"] = _round_trip(rank, groups, cfg8, total=10, k=4, n_layers=8)
     return out
 
 
@@ -624,6 +636,8 @@ def test_schema_defaults_keep_the_invariants_and_resume_bitwise(world):
         assert all(s % r["interval"] == 0 for s in r["changed_at"]), r["changed_at"]
         assert r["reconcile_bytes"] > 0 and r["same"] and r["moments_same"]
         assert r["round_trip"]["bitwise"]
+        assert r["sync8_round_trip"]["bitwise"] and r["sync8_residuals"], r["sync8_residuals"]
+        assert all(n % 256 == 0 for n in r["sync8_residuals"].values()), r["sync8_residuals"]
     assert all(res["defaults"]["moved"] == world[0]["defaults"]["moved"] for res in world)
 
 

@@ -202,15 +202,6 @@ def residual_numel(numel: int, groups: ReducerGroups, wire: torch.dtype) -> int:
     return _hop_residual_numel(rail_numel(numel, groups), n, wire)
 
 
-def scatter_residual_numel(numel: int, groups: ReducerGroups, wire: torch.dtype) -> int:
-    """Elements of the error-feedback residual of `rail_reduce_scatter` of ``numel`` elements in ``wire``."""
-    if wire != torch.int8:
-        return numel
-    from .int8_wire import int8_scatter_residual_numel
-
-    return int8_scatter_residual_numel(numel, groups.inter_size)
-
-
 def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
     """All-reduce SUM of ``x`` over ``group`` with wire dtype ``wire``; writes and returns ``x``."""
     if n_contrib <= 1:
@@ -411,8 +402,7 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
 
     Phases: 1. (FP16 wire) MAX all-reduce of amax over the rail for a common scale; 2. quantise
     (error feedback into ``residual``, shape ``x``) and reduce-scatter in ``wire``; 3. back to
-    ``out``'s dtype. Always over the two-level rail (also with ``middle_level``). An int8 wire is
-    `int8_wire.int8_reduce_scatter` (per-block scales; residual ``scatter_residual_numel``).
+    ``out``'s dtype. Always over the two-level rail (also with ``middle_level``).
     """
     _check(x, "rail_reduce_scatter", groups)
     check_device(out, groups, "rail_reduce_scatter")
@@ -424,9 +414,9 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
         raise ValueError(f"topo_align: rail_reduce_scatter of {x.numel()} elements over {K} ranks needs an "
                          f"output of {x.numel() // K}; got {out.numel()}")
     if wire == torch.int8:
-        from .int8_wire import int8_reduce_scatter  # that module builds on this one's run()
-
-        return int8_reduce_scatter(out, x, residual, rail, "inter", groups, record, K)
+        # Only `selective` sends SYNC on int8, and DeepSpeed's adapter refuses selective at ZeRO-3.
+        raise ValueError("topo_align: rail_reduce_scatter has no int8 wire (ZeRO-3 runs 'hierarchical', whose "
+                         "wire is communication.inter_dtype: fp32, bf16 or fp16)")
     if wire == x.dtype or not is_lossy(x.dtype, wire):
         w = x if wire == x.dtype else x.to(wire)
         o = out if out.dtype == wire else torch.empty(out.numel(), dtype=wire, device=out.device)

@@ -1,6 +1,6 @@
 """The int8 wire of a hop across groups (`local.reconcile_dtype: int8`, `sync.dtype: int8`):
 quantise per block, all-to-all, sum in fp32 where the chunk is owned, all-gather the re-quantised
-sums (or stop after the sum: the reduce-scatter of ZeRO-3's cross-island step).
+sums.
 
 Its own module because the collectives module is at its size bound; it builds on that module's
 ``run`` (named errors, byte records, the collective-order trace) and is called from its ``hop``.
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from . import collectives as C  # through the module: a test's spy on C.run sees these calls
 from .compression import INT8_BLOCK, dequantize_blocks, quantize_blocks
 
-__all__ = ["int8_all_reduce", "int8_reduce_scatter", "int8_scatter_residual_numel"]
+__all__ = ["int8_all_reduce"]
 
 
 def int8_all_reduce(x: torch.Tensor, residual, group, tier: str, groups, record, n: int) -> torch.Tensor:
@@ -55,37 +55,3 @@ def int8_all_reduce(x: torch.Tensor, residual, group, tier: str, groups, record,
         lambda: (C.all_gather_flat(out_q, sq, group=group), C.all_gather_flat(out_s, ss, group=group)), like=q)
     return dequantize_blocks(out_q, out_s)[:m]
 
-
-def int8_scatter_residual_numel(m: int, n: int) -> int:
-    """Elements of `int8_reduce_scatter`'s residual for an ``m``-element input over ``n`` members:
-    each member's chunk (``m / n``) padded to whole blocks."""
-    c = -(-m // max(1, n))
-    return max(1, n) * C.padded_numel(c, INT8_BLOCK)
-
-
-def int8_reduce_scatter(out: torch.Tensor, x: torch.Tensor, residual, group, tier: str, groups, record,
-                        n: int) -> torch.Tensor:
-    """Reduce-scatter SUM over ``group`` (``n`` members) on an 8-bit wire: member i gets the fp32
-    sum of chunk i (``x.numel() / n`` elements) in ``out``.
-      1. pad each member's chunk to whole blocks, add ``residual`` (``int8_scatter_residual_numel``),
-         quantise per block (the error goes back into the residual);
-      2. all-to-all of the int8 blocks and their scales ((n-1)/n of the int8 bytes per rank);
-      3. dequantise and sum the n versions of my chunk in member order, in fp32.
-    """
-    c = x.numel() // n
-    cp = C.padded_numel(c, INT8_BLOCK)
-    buf = x.reshape(n, c).float()
-    if cp != c:
-        buf = torch.cat([buf, buf.new_zeros(n, cp - c)], dim=1)
-    buf = buf.reshape(-1)
-    if residual is not None:
-        if residual.numel() != n * cp:
-            raise ValueError(f"topo_align: int8 residual has {residual.numel()} elements; expected {n * cp}")
-        buf = buf + residual
-    q, scale = quantize_blocks(buf, residual)
-    rq, rs = torch.empty_like(q), torch.empty_like(scale)
-    C.run("all_to_all", tier, group, groups, q.numel() + 4 * scale.numel(), record,
-          lambda: (dist.all_to_all_single(rq, q, group=group), dist.all_to_all_single(rs, scale, group=group)),
-          like=q)
-    out.copy_(dequantize_blocks(rq, rs).view(n, cp).sum(dim=0)[:c])
-    return out

@@ -111,7 +111,7 @@ class Wire:
                              cls: str = "sync") -> torch.Tensor:
         """Reduce-scatter SUM of ``t`` over my rail into ``out`` (rail member i gets chunk i), in
         ``wire`` with error feedback under ``key`` (ZeRO-3's cross-island step)."""
-        res = self.residual(key, C.scatter_residual_numel(t.numel(), self.groups, wire), t.dtype, wire)
+        res = self.residual(key, t.numel(), t.dtype, wire)
         return C.rail_reduce_scatter(out, t, self.groups, wire=wire, residual=res, record=self._rec[cls])
 
     def reduce_scatter_intra_(self, out: torch.Tensor, t: torch.Tensor, *, cls: str = "sync") -> torch.Tensor:

@@ -9,7 +9,8 @@ prices every system that has a counterpart in the model:
   of docs/costmodel.md: loopback 0.34 GB/s, 13 us; rate-shaped links, 15-18 us one way);
 * compute per step: the bench's own unshaped ZeRO-0 step (``comm_share``), else ``--compute-s``;
 * each system's algorithm, wire dtypes and overlap as the bench runs it (``SYSTEM_MODELS``); for
-  selective the SYNC share, intervals and dtypes the run reported.
+  selective the SYNC share, intervals and dtypes the run reported; for post-local SGD its period and
+  its warm-up steps (plain DDP over every rank), blended in by step count.
 
 Measured step time is the mean over the run (training time / steps: periodic averaging and
 reconciliation included, which is what sets how many steps fit a wall-clock budget); bytes are the
@@ -81,8 +82,8 @@ def bench_topology(results: dict, root: Path) -> dict:
     try:
         topo = json.loads(path.read_text())
     except OSError as exc:
-        raise SimError(f"topology file {path}: cannot read ({exc.strerror or exc}); run from the repository "
-                       "root or give --bench-root") from None
+        raise SimError(f"topology file {path}: cannot read ({exc.strerror or exc}); the results name it "
+                       "relative to the repository root: run from there") from None
     nodes = results.get("emulation", {}).get("nodes") or []
     rates = {float(n["uplink_mbit"]) / len(n["ranks"]) for n in nodes if n.get("ranks")}
     if len(rates) != 1:
@@ -141,12 +142,19 @@ def check_bench(results: dict, *, root: Path = Path("."),
         sim = simulate(topo, wl, opt)
         row = sim.row(algo)
         steps = float(summ["steps"])
+        step_s, nbytes = row.step_s, row.tier_bytes_per_gpu["leaf"] * topo.world_size
+        if algo == "localsgd" and info.get("localsgd_warmup"):
+            # Post-local SGD's first steps are plain DDP over every rank (its warm-up): blend them in.
+            w = min(steps, float(info["localsgd_warmup"]))
+            ddp = simulate(topo, wl, replace(opt, algorithms=("ring",))).row("ring")
+            step_s = (w * ddp.step_s + (steps - w) * step_s) / steps
+            nbytes = (w * ddp.tier_bytes_per_gpu["leaf"] * topo.world_size + (steps - w) * nbytes) / steps
         rows.append(BenchRow(
             key=key, label=sysd.get("label", key), algorithm=algo,
             measured_step_s=float(summ["train_s"]) / steps, measured_median_s=float(summ["step_median_s"]),
-            predicted_step_s=row.step_s,
+            predicted_step_s=step_s,
             measured_bytes=float((sysd.get("measured") or {}).get("cross_node_bytes_per_step", 0.0)),
-            predicted_bytes=row.tier_bytes_per_gpu["leaf"] * topo.world_size))
+            predicted_bytes=nbytes))
     return rows, notes
 
 
