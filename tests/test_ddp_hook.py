@@ -186,6 +186,14 @@ def s_refusals(rank, groups):
         TopoAlignHookState(make(), cfg_of("hierarchical"), groups=groups)
     except TypeError as exc:
         out["not_ddp"] = str(exc)
+    # DDP over ranks 0 and 1 only, the topology groups over all four: refused before any collective
+    # (a hook reducing over other ranks than DDP's would mix two data-parallel worlds).
+    sub = dist.new_group([0, 1])  # every rank takes part in creating a group
+    if rank < 2:
+        try:
+            TopoAlignHookState(DDP(make(), process_group=sub), cfg_of("hierarchical"), groups=groups)
+        except ValueError as exc:
+            out["wrong_group"] = str(exc)
     return out
 
 
@@ -246,3 +254,7 @@ def test_selective_invariants_every_step(world):
 def test_refusals_name_what_is_wrong(world):
     assert world[0]["refusals"]["not_ddp"].startswith("TopoAlignHookState needs a "
                                                       "torch.nn.parallel.DistributedDataParallel model, got Toy")
+    for res in world[:2]:
+        assert res["refusals"]["wrong_group"] == (
+            "topo_align: DDP reduces over global ranks [0, 1], the topology groups span [0, 1, 2, 3]; "
+            "build DDP with process_group covering the same ranks")
