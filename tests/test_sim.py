@@ -243,7 +243,8 @@ def test_bench_check_predicts_the_long_preset_within_25_percent(tmp_path, capsys
     for argv, msg in ((["--params", "1e9", "--compute-s", "1"],
                        "--topology FILE is required (or --bench RESULTS.json)"),
                       (["--bench", str(tmp_path / "none.json")], f"--bench {tmp_path / 'none.json'}: cannot read JSON"),
-                      (["--bench", _json(tmp_path, {"format": "x"})], "bench results format = 'x'; expected")):
+                      (["--bench", _json(tmp_path, {"format": "x"})], "bench results format = 'x'; expected"),
+                      (["--bench", "x.json", "--tolerance", "0"], "--tolerance 0; expected a relative error > 0")):
         assert sim_main(argv) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -160,6 +160,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from .benchcheck import check_bench, render_markdown
 
     try:
+        if not args.tolerance > 0:
+            raise SimError(f"--tolerance {args.tolerance:g}; expected a relative error > 0, e.g. 0.25")
         try:
             results = json.loads(Path(args.bench).read_text())
         except (OSError, ValueError) as exc:
