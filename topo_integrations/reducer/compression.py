@@ -18,12 +18,12 @@ coarse and the hop falls back to a scaled FP16 cast (sums then round; still no o
 BF16 wire. BF16 has FP32's range, so no scaling: a plain cast with error feedback on the cast (the
 in-flight BF16 sums round).
 
-INT8 wire (reconciliation deltas only, `local.reconcile_dtype: int8`). One fp32 scale per block of
+INT8 wire (`local.reconcile_dtype: int8` deltas, `sync.dtype: int8` gradients). One fp32 scale per block of
 ``INT8_BLOCK`` elements (``amax / 127``), values rounded to int8: a block's error is at most half a
 step of its own largest element, so one large delta does not coarsen the rest of the bucket. Sums are
 not formed on the wire (an int8 sum overflows): the collective is an all-to-all of the quantised
 blocks, a local fp32 sum, and an all-gather of the re-quantised sums (int8_wire.py). Error feedback
-keeps the first rounding; the second (of the sum) is the same on every rank.
+keeps both roundings: the sender's and, with the chunk's owner, that of the sum.
 
 All tensor arithmetic: no host synchronisation (on CUDA the scale stays on the device).
 """

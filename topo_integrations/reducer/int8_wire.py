@@ -54,4 +54,3 @@ def int8_all_reduce(x: torch.Tensor, residual, group, tier: str, groups, record,
     C.run("all_gather", tier, group, groups, half, record,
         lambda: (C.all_gather_flat(out_q, sq, group=group), C.all_gather_flat(out_s, ss, group=group)), like=q)
     return dequantize_blocks(out_q, out_s)[:m]
-

@@ -146,7 +146,7 @@ def check_bench(results: dict, *, root: Path = Path("."),
         if algo == "localsgd" and info.get("localsgd_warmup"):
             # Post-local SGD's first steps are plain DDP over every rank (its warm-up): blend them in.
             w = min(steps, float(info["localsgd_warmup"]))
-            ddp = simulate(topo, wl, replace(opt, algorithms=("ring",))).row("ring")
+            ddp = sim.row("ring")  # simulate() always prices the flat ring as its reference
             step_s = (w * ddp.step_s + (steps - w) * step_s) / steps
             nbytes = (w * ddp.tier_bytes_per_gpu["leaf"] * topo.world_size + (steps - w) * nbytes) / steps
         rows.append(BenchRow(
