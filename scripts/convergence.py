@@ -40,11 +40,15 @@ GROUP = 2
 # The `local` defaults of 0.1.x: the tables of docs/convergence.md measured with 0.1.0 used them
 # (`--base 0.1` puts them under every selective run's overrides to reproduce those tables).
 BASE_0_1 = {"sync.dtype": "fp32", "local.reconcile_interval": 4, "local.dtype": "fp16", "local.reconcile_dtype": "fp32",
-            "local.moments_interval": 1, "local.promote_drift_fraction": 0.0}
+            "local.moments_interval": 1, "local.moments_dtype": "fp32", "local.promote_drift_fraction": 0.0}
 
 # The defaults between issue 15 and issue 25 (`--base issue15`): docs/convergence.md's "Fewer
 # slow-tier bytes" table measured its first row and every variant on top of them.
-BASE_ISSUE15 = {"sync.dtype": "fp32", "local.reconcile_dtype": "bf16"}
+BASE_ISSUE15 = {"sync.dtype": "fp32", "local.reconcile_dtype": "bf16", "local.moments_dtype": "fp32"}
+
+# The defaults of issue 25 before `local.moments_dtype` (`--base fp32-moments`): the `sync8` and
+# `moments16` rows of that table were measured on them.
+BASE_FP32_MOMENTS = {"local.moments_dtype": "fp32"}
 
 TASKS = {
     # steps: enough for the curves to flatten on 2 CPU cores (see docs/convergence.md).
@@ -79,6 +83,8 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
         s8 = {"sync.dtype": "int8"}
         return [("sync.dtype=int8", "selective", s8),
                 ("sync int8 + reconcile_interval 4", "selective", {**s8, "local.reconcile_interval": 4})]
+    if kind == "moments16":  # issue 25: the Adam moments' average on a 16-bit delta wire
+        return [("moments_dtype=bf16", "selective", {"local.moments_dtype": "bf16"})]
     if kind in ("key", "ci"):
         return runs if kind == "key" else [runs[0], runs[2]]
     if kind != "full":
@@ -511,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", nargs="+", default=["gpt", "digits"], choices=sorted(TASKS))
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
-                             "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8"])
+                             "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
+                             "moments16"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")
@@ -519,9 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/convergence", help="folder for results.json")
     ap.add_argument("--report", metavar="DIR", nargs="+", help="only write the report of DIR/results.json (merged)")
     ap.add_argument("--img-dir", default="docs/img")
-    ap.add_argument("--base", choices=["current", "0.1", "issue15"], default="current",
+    ap.add_argument("--base", choices=["current", "0.1", "issue15", "fp32-moments"], default="current",
                     help="defaults under the overrides of every selective run: this release's, 0.1.x's "
-                         "(reproduces the tables measured with 0.1.0) or those between issues 15 and 25")
+                         "(reproduces the tables measured with 0.1.0), those between issues 15 and 25, or "
+                         "issue 25's before local.moments_dtype")
     args = ap.parse_args(argv)
     if args.report:
         res = [r for d in args.report for r in json.loads((Path(d) / "results.json").read_text())]
@@ -535,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     for task, seed, kind in jobs:
         t0 = time.perf_counter()
         runs = grid(kind)
-        base = {"0.1": BASE_0_1, "issue15": BASE_ISSUE15}.get(args.base)
+        base = {"0.1": BASE_0_1, "issue15": BASE_ISSUE15, "fp32-moments": BASE_FP32_MOMENTS}.get(args.base)
         if base:
             runs = [(n, m, {**base, **o} if m == "selective" else o) for n, m, o in runs]
         rs = run_grid(task, seed, runs, steps=args.steps)

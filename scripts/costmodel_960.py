@@ -219,7 +219,8 @@ def sensitivity() -> str:
     base = d.top_fraction + min(1.0, d.last_n_layers / 96)
     return ("\n#### Selective: NIC bytes per step vs flat ring as the knobs change (pure DP, 1:1, leaf order; "
             f"SYNC share {d.top_fraction:.0%} + last {d.last_n_layers} of 96 layers = {base:.1%}, plus the "
-            f"drift-promotion budget where given; Adam's moments every {d.moments_interval}th reconciliation; "
+            f"drift-promotion budget where given; Adam's moments every {d.moments_interval}th reconciliation "
+            f"in {d.moments_dtype}; "
             f"defaults: sync {d.sync_dtype}, reconcile {d.reconcile_dtype}, H = {d.reconcile_interval})\n\n"
             + "\n".join(rows) + "\n")
 

@@ -90,6 +90,12 @@ def test_selective_and_post_local_sgd_average_over_the_run():
         "steps": 8, "sync_fraction": 0.25, "reconcile_interval": 2, "reconciles": 4, "reconcile_dtype": "bf16",
         "moments_interval": 4})
     assert lean["node"] == pytest.approx(2 * S * 0.25 + 2 * 0.75 * P * (4 + 3 * 2 + 8) / 8)
+    # moments_dtype bf16, moments at every 2nd of 4: the first moment average exact (8 B), the second
+    # their deltas on the bf16 wire (4 B).
+    lean16 = theory_bytes("ds-topo-selective-z1", L2X2, P, {
+        "steps": 8, "sync_fraction": 0.25, "reconcile_interval": 2, "reconciles": 4, "reconcile_dtype": "bf16",
+        "moments_interval": 2, "moments_dtype": "bf16"})
+    assert lean16["node"] == pytest.approx(2 * S * 0.25 + 2 * 0.75 * P * (4 + 3 * 2 + 8 + 4) / 8)
     pl = theory_bytes("post-local-sgd", L2X2, P, {"steps": 10, "localsgd_warmup": 2, "averaging_period": 4,
                                                   "averages": 2})
     # 2 warm-up steps of a world all-reduce (3S), then in-node only, plus 2 world averages (3S).

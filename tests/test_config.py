@@ -37,6 +37,7 @@ def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
     assert cfg.with_overrides(changed) == TopoAlignConfig()
     d = TopoAlignConfig()
     assert (d.local.reconcile_dtype, d.local.moments_interval, d.local.promote_drift_fraction) == ("int8", 4, 0.15)
+    assert d.local.moments_dtype == "bf16"
     assert d.sync.top_fraction == 0.15 and d.sync.last_n_layers == 5
 
 

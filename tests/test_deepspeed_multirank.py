@@ -141,7 +141,9 @@ def _checkpoint(rank, tmpdir):
     cases = {"hierarchical-z2": (2, H.topo_block("hierarchical")),
              "hierarchical-z3": (3, H.topo_block("hierarchical")),
              "selective-z0": (0, H.topo_block("selective", local={"reconcile_interval": 3, "dtype": "fp16"})),
-             "selective-z1": (1, H.topo_block("selective", local={"reconcile_interval": 3}, sync={"dtype": "int8"})),
+             # int8 SYNC residuals and the bf16 moment anchor (set at step 3, saved at 10, used after)
+             "selective-z1": (1, H.topo_block("selective", sync={"dtype": "int8"}, local={
+                 "reconcile_interval": 3, "moments_interval": 1, "moments_dtype": "bf16"})),
              "selective-z1-async": (1, H.topo_block("selective", local={"reconcile_interval": 3,
                                                                         "async_reconcile": True})),
              "selective-z2": (2, H.topo_block("selective", local={"reconcile_interval": 3}, sync={"dtype": "fp16"}))}

@@ -61,6 +61,7 @@ NONDEFAULT: dict[str, tuple[object, dict]] = {
     "local.async_reconcile": (False, {}),
     "local.reconcile_dtype": ("fp32", {}),
     "local.moments_interval": (2, {}),
+    "local.moments_dtype": ("fp32", {}),
     "local.outer_momentum": (0.5, {}),
     "local.outer_lr": (0.7, {}),
     "local.promote_drift_fraction": (0.3, {}),
@@ -218,6 +219,8 @@ EFFECT_VALUE = {"importance.refresh_interval": 4, "local.reconcile_interval": 4,
 # Run with these in baseline and variant alike, so the key's effect can show (e.g. ema_decay needs a refresh).
 EFFECT_COMPANIONS = {"importance.ema_decay": {"importance.refresh_interval": 2, "local.async_reconcile": False},
                      "importance.method": {"importance.refresh_interval": 2, "local.async_reconcile": False},
+                     # moments at every reconciliation: the first one of a layout is exact, the next on the wire
+                     "local.moments_dtype": {"local.moments_interval": 1},
                      "adaptive.slowdown_factor": {"adaptive.enabled": True},
                      "adaptive.window": {"adaptive.enabled": True},
                      "adaptive.check_interval": {"adaptive.enabled": True},

@@ -268,7 +268,8 @@ def _engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None):
            "reconciles": e.reconciles, "promoted": list(e.drift.promoted), "sync_dtype": str(e.sync_dtype),
            "interval": e.reconcile_interval, "classes_version": e.class_version,
            "level": None if e.adaptive is None else e.adaptive.level,
-           "hutchinson_refreshes": e.importance.hutchinson_seed, "stats": ddp.topo_stats()["totals"]}
+           "hutchinson_refreshes": e.importance.hutchinson_seed, "stats": ddp.topo_stats()["totals"],
+           "moments_residuals": sorted(k for k in e.wire.residual_state() if k.startswith("moments/"))}
     if s is not None:
         out.update(spy_seen=s.seen, spy_outside=s.outside, spy_wrong_thread=s.wrong_thread[:5],
                    worker=s.worker)
@@ -323,7 +324,8 @@ def _engine_checks(rank, spec):
     out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}, sync={"dtype": "int8"}),
                                        dist_opt=True, steps=6)
     out["delta_distopt"] = _engine_run(
-        rank, spec, cfg(local={"reconcile_dtype": "bf16", "moments_interval": 2, "outer_momentum": 0.5}),
+        rank, spec, cfg(local={"reconcile_dtype": "bf16", "moments_interval": 2, "moments_dtype": "bf16",
+                               "outer_momentum": 0.5}),
         dist_opt=True, steps=7)
     return out
 
@@ -722,6 +724,16 @@ def test_drift_promotion_moves_tensors_to_sync(world, case):
     r0 = world[0]["engine"][case]["recs"]
     assert r0[-1]["n_sync"] > r0[0]["n_sync"]
     assert world[0]["engine"][case]["sync_dtype"] == ("torch.int8" if case == "drift_distopt" else "torch.bfloat16")
+
+
+@pytest.mark.timeout(960)
+def test_moment_shards_average_on_the_bf16_delta_wire(world):
+    """delta_distopt sets local.moments_dtype bf16: after the first exact moment average the
+    distributed optimizer's moment shards crossed as deltas with error feedback (residuals kept per
+    chunk); fp32 moments (async_distopt) keep none. Invariants: test_engine_features_keep_invariants."""
+    for res in world:
+        assert res["engine"]["delta_distopt"]["moments_residuals"], res["engine"]["delta_distopt"]
+        assert res["engine"]["async_distopt"]["moments_residuals"] == []
 
 
 @pytest.mark.timeout(960)

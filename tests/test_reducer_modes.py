@@ -72,7 +72,8 @@ def make(seed=0, n_layers=3):
 
 # The mechanism tests below count bytes and class changes for value reconciliation with the moments
 # every time and no promotion (the 0.1.0 `local` defaults); s_defaults runs the schema's defaults.
-MECHANISM_LOCAL = {"reconcile_dtype": "fp32", "moments_interval": 1, "promote_drift_fraction": 0.0}
+MECHANISM_LOCAL = {"reconcile_dtype": "fp32", "moments_interval": 1, "moments_dtype": "fp32",
+                   "promote_drift_fraction": 0.0}
 
 
 def cfg_of(**kw) -> TopoAlignConfig:
@@ -286,7 +287,9 @@ def s_delta_reconcile(rank, world, groups):
     for name, kw in (("fp32", {}), ("bf16", {"local__reconcile_dtype": "bf16", "local__moments_interval": 2,
                                             "local__outer_momentum": 0.5}),
                      ("int8", {"local__reconcile_dtype": "int8", "local__moments_interval": 2,
-                               "local__outer_momentum": 0.5})):
+                               "local__outer_momentum": 0.5}),
+                     ("bf16m", {"local__reconcile_dtype": "bf16", "local__moments_interval": 2,
+                                "local__moments_dtype": "bf16", "local__outer_momentum": 0.5})):
         model = make(12)
         cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1, local__reconcile_interval=2,
                      local__async_reconcile=True, importance__refresh_interval=1000, **kw)
@@ -310,7 +313,10 @@ def s_state_round_trip(rank, world, groups):
     equal to the uninterrupted run; also with delta reconciliation (anchor, outer momentum, residuals)."""
     return {"values": _round_trip(rank, groups, _rt_cfg()),
             "delta": _round_trip(rank, groups, _rt_cfg(local__reconcile_dtype="bf16", local__moments_interval=2,
-                                                       local__outer_momentum=0.5))}
+                                                       local__outer_momentum=0.5)),
+            # the moment anchor is set at step 6, saved at 9 and used at 12
+            "moments16": _round_trip(rank, groups, _rt_cfg(local__reconcile_dtype="bf16", local__moments_interval=2,
+                                                           local__moments_dtype="bf16"))}
 
 
 def _rt_cfg(**extra) -> TopoAlignConfig:
@@ -601,23 +607,26 @@ def test_async_reconcile_staleness_and_final_identity(world):
 @pytest.mark.timeout(300)
 def test_state_round_trip_bitwise(world):
     for res in world:
-        for variant in ("values", "delta"):
+        for variant in ("values", "delta", "moments16"):
             assert res["state"][variant]["had_pending"], variant
             assert res["state"][variant]["bitwise"], variant
 
 
 @pytest.mark.timeout(300)
-def test_delta_reconciliation_bf16_int8_moments_interval_outer_momentum(world):
+def test_delta_reconciliation_bf16_int8_moments_interval_moments_dtype_outer_momentum(world):
     """6 reconciliations in 12 steps (H = 2, asynchronous). fp32: values + both Adam moments every time
     (3 units of LOCAL parameter bytes each). bf16 deltas: the first one averages values in fp32 (no
     anchor yet, 1 unit), then deltas at 0.5 units; moments (2 units) at every 2nd: 1 + 5 * 0.5 + 3 * 2 =
-    9.5 of 18 units. The explicit reconcile() makes parameters and moments identical everywhere."""
+    9.5 of 18 units. With ``moments_dtype`` bf16 too the moments' first average is exact (2 units) and
+    sets their anchor, the next two send deltas (1 unit each): 3.5 + 4 = 7.5 units. The explicit
+    reconcile() makes parameters and moments identical everywhere."""
     for res in world:
-        f, b, i8 = res["delta"]["fp32"], res["delta"]["bf16"], res["delta"]["int8"]
-        for r in (f, b, i8):
+        f, b, i8, bm = (res["delta"][k] for k in ("fp32", "bf16", "int8", "bf16m"))
+        for r in (f, b, i8, bm):
             assert r["same"] and r["moments_same"] and r["finite"]
             assert r["staleness"] == 1 and r["reconciles"] == 7
         assert b["bytes"] == pytest.approx(f["bytes"] * 9.5 / 18, rel=0.02), (b["bytes"], f["bytes"])
+        assert bm["bytes"] == pytest.approx(f["bytes"] * 7.5 / 18, rel=0.02), (bm["bytes"], f["bytes"])
         # int8 deltas: each rank's slice (n elements, a unit is 4n bytes) padded to whole 256-element
         # blocks per rail member (K = 2), one byte each plus a 4-byte scale per block; the tiny model
         # makes the padding dominate (n = 160 -> 512)

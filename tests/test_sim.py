@@ -216,7 +216,8 @@ def test_selective_wires_and_moments_and_local_sgd_formulas():
 def test_defaults_follow_the_plugin():
     """The cost model prices what a user gets: SimOptions' selective knobs are the schema's defaults."""
     c, o = TopoAlignConfig(), SimOptions()
-    assert (o.sync_dtype, o.local_dtype, o.reconcile_dtype) == (c.sync.dtype, c.local.dtype, c.local.reconcile_dtype)
+    assert (o.sync_dtype, o.local_dtype, o.reconcile_dtype, o.moments_dtype) == (
+        c.sync.dtype, c.local.dtype, c.local.reconcile_dtype, c.local.moments_dtype)
     assert (o.top_fraction, o.last_n_layers, o.reconcile_interval, o.moments_interval, o.promote_fraction,
             o.async_reconcile) == (c.sync.top_fraction, c.sync.last_n_layers, c.local.reconcile_interval,
                                    c.local.moments_interval, c.local.promote_drift_fraction, c.local.async_reconcile)
@@ -409,6 +410,23 @@ def test_cli_json_plot_and_errors(tmp_path, capsys):
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err
     assert sim_main(["--topology", str(tmp_path / "missing.json"), "--params", "1e9", "--compute-s", "1"]) == 2
     assert "cannot read topology file" in capsys.readouterr().err
+
+
+def test_moments_dtype_halves_the_moments_bytes(tmp_path, capsys):
+    """--moments-dtype bf16: Adam's two moments cost 2 x 2 / moments_interval bytes per LOCAL element
+    and reconciliation instead of 2 x 4 / moments_interval (fp32)."""
+    topo_file = _write_topo(tmp_path)
+    leaf = {}
+    for dt in ("fp32", "bf16"):
+        assert sim_main(["--topology", topo_file, "--params", "1e9", "--compute-s", "1", "--moments-dtype", dt,
+                         "--algorithms", "selective", "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["options"]["moments_dtype"] == dt
+        leaf[dt] = next(r for r in data["rows"] if r["key"] == "selective")["tier_bytes_per_gpu"]["leaf"]
+    assert leaf["bf16"] < leaf["fp32"]
+    with pytest.raises(SystemExit) as e:  # argparse: usage and one error line
+        sim_main(["--topology", topo_file, "--params", "1e9", "--compute-s", "1", "--moments-dtype", "int8"])
+    assert e.value.code == 2 and "argument --moments-dtype: invalid choice: 'int8'" in capsys.readouterr().err
 
 
 def test_compute_defaults_from_the_gpu_kind(tmp_path, capsys):

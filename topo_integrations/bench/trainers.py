@@ -144,7 +144,7 @@ def _reconcile_info(cfg) -> dict:
     loc = cfg.local
     return {"sync_dtype": cfg.sync.dtype, "reconcile_interval": loc.reconcile_interval,
             "reconcile_dtype": loc.reconcile_dtype,
-            "moments_interval": loc.moments_interval,
+            "moments_interval": loc.moments_interval, "moments_dtype": loc.moments_dtype,
             "outer_optimizer": loc.outer_momentum > 0 or loc.outer_lr != 1.0}
 
 

@@ -92,8 +92,12 @@ class Engine(ReconcileMixin):
         self.local_dtype = wire_dtype(cfg.local.dtype)
         self.reconcile_interval = cfg.local.reconcile_interval
         self.reconcile_dtype = wire_dtype(cfg.local.reconcile_dtype)
+        self.moments_dtype = wire_dtype(cfg.local.moments_dtype)
         self._anchor: dict | None = None
         """The last reconciled LOCAL values (keys, flat fp32, outer momentum): identical on every rank."""
+        self._sanchor: dict | None = None
+        """The last averaged LOCAL optimizer moments (keys, flat fp32), kept with a lossy
+        ``local.moments_dtype`` only: identical on every replica of each item."""
         self.step = 0
         self.last_refresh = 0
         self.reconciles = 0
@@ -192,7 +196,7 @@ class Engine(ReconcileMixin):
             self.mode = Mode(mode)
             changed = True
         if classes is not None and self.policy.set_classes(classes):
-            self._anchor = None
+            self._anchor = self._sanchor = None
             changed = True
         if reconcile_interval is not None:
             self.reconcile_interval = int(reconcile_interval)
@@ -329,9 +333,10 @@ class Engine(ReconcileMixin):
         correction at the same step as an uninterrupted one."""
         self.drain()
         pend = None if self._pending is None else self._pending.state_dict()
-        anchor = None
-        if self._anchor is not None:
-            anchor = {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in self._anchor.items()}
+        def to_cpu(d):
+            return None if d is None else {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in d.items()}
+
+        anchor, sanchor = to_cpu(self._anchor), to_cpu(self._sanchor)
         ctrl = self.adaptive
         mode, classes = self.mode, dict(self.classes)
         if ctrl is not None:
@@ -341,7 +346,7 @@ class Engine(ReconcileMixin):
         return {"format": ENGINE_STATE_FORMAT, "mode": str(mode), "step": self.step, "last_refresh": self.last_refresh,
                 "reconciles": self.reconciles, "all_synced": self.all_synced, "classes": classes,
                 "residuals": self.wire.residual_state(), "importance": self.importance.state_dict(),
-                "pending": pend, "anchor": anchor, "max_staleness": self.max_staleness,
+                "pending": pend, "anchor": anchor, "moments_anchor": sanchor, "max_staleness": self.max_staleness,
                 "stats": self.stats_.state_dict(),
                 "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict()}
 
@@ -379,6 +384,7 @@ class Engine(ReconcileMixin):
 
         self._pending = PendingAverage.from_state(sd.get("pending"), self.device)
         self._anchor = to_dev(sd.get("anchor"))
+        self._sanchor = to_dev(sd.get("moments_anchor"))
         self.stats_.load_state_dict(sd["stats"])
         self.drift.load_state_dict(sd.get("drift"))
         if ctrl is not None:

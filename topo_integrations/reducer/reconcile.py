@@ -8,8 +8,10 @@ as :class:`ReconcileMixin`); an adapter describes its LOCAL tensors with :class:
           their mean; else the mean of their change since the last reconciliation (the anchor,
           identical on every rank) on the ``local.reconcile_dtype`` wire with error feedback, put
           through the outer optimizer: ``target = anchor + outer(mean delta)``;
-  states  optimizer moments, fp32 means, only at every ``local.moments_interval``-th reconciliation
-          and whenever the classes may change or a checkpoint is written;
+  states  optimizer moments, only at every ``local.moments_interval``-th reconciliation and whenever
+          the classes may change or a checkpoint is written: fp32 means, or with a lossy
+          ``local.moments_dtype`` the mean change since the last moment average (the moment anchor)
+          on that wire with error feedback, second moments clamped at 0;
   both split into replicated items (identical inside a group: 1/L of them crosses the slow tier
   per rank) and shards (per-rank partitions: averaged over the rail).
 
@@ -47,8 +49,9 @@ class ReconcileItem:
     nonneg: bool = False
     """A second moment: clamped at 0 after an asynchronous correction."""
     state: bool = False
-    """Optimizer state (moments): averaged as values in fp32, only at every ``local.moments_interval``-th
-    reconciliation and at the blocking ones that precede a save, a class refresh or a promotion."""
+    """Optimizer state (moments): averaged on the ``local.moments_dtype`` wire, only at every
+    ``local.moments_interval``-th reconciliation and at the blocking ones that precede a save, a class
+    refresh or a promotion."""
 
 
 class ReconcileSource(Protocol):
@@ -116,6 +119,8 @@ class PendingAverage:
     """The optimizer step of the snapshot."""
     moments: bool = False
     """Whether optimizer state is part of it."""
+    sdelta: bool = False
+    """Whether ``savg`` holds the mean change of the moments since the moment anchor."""
     future: Any = None
     """The dispatcher's future of the last chunk; None once waited (or after a restore)."""
 
@@ -146,8 +151,8 @@ def _scatter(items: list[ReconcileItem], flat: torch.Tensor, snap: torch.Tensor 
                 t.copy_(seg.to(t.dtype))
             else:
                 t.add_((seg - snap[off:off + n].view(t.shape)).to(t.dtype))
-                if it.nonneg:
-                    t.clamp_(min=0)
+            if it.nonneg:  # a lossy delta (or a late correction) may undershoot a second moment
+                t.clamp_(min=0)
             off += n
 
 
@@ -161,7 +166,8 @@ class ReconcileMixin:
     #              optimizer their mean; else the mean of their change since the last reconciliation
     #              (the anchor, identical on every rank) on the `reconcile_dtype` wire with error
     #              feedback, put through the outer optimizer: target = anchor + outer(mean delta);
-    #   states  -- optimizer moments, fp32 means, only when `_moments_due` (or forced);
+    #   states  -- optimizer moments, only when `_moments_due` (or forced): fp32 means, or the mean
+    #              change since the moment anchor on the `moments_dtype` wire with error feedback;
     #   both split into replicated items (identical inside a group) and shards (per-rank partitions).
 
     def _items(self, source, local, moments: bool):
@@ -180,6 +186,11 @@ class ReconcileMixin:
         wants = self.reconcile_dtype != torch.float32 or self.cfg.local.outer_momentum > 0 or \
             self.cfg.local.outer_lr != 1.0
         return wants and self._anchor is not None and self._anchor["keys"] == keys
+
+    def _moments_delta(self, skeys: list[str]) -> bool:
+        """A lossy moment wire averages the change since the moment anchor of the same layout (the
+        first moment average of a layout is exact in fp32 and sets it)."""
+        return self.moments_dtype != torch.float32 and self._sanchor is not None and self._sanchor["keys"] == skeys
 
     def _average_chunks(self, flat: torch.Tensor, items: list[ReconcileItem], *, wire: torch.dtype,
                         key: str) -> list[Callable[[], None]]:
@@ -216,15 +227,18 @@ class ReconcileMixin:
         snap = _flat(vals, self.device)
         delta = self._uses_delta(keys)
         send = snap - self._anchor["flat"] if delta else snap.clone()
+        skeys = [i.key for i in states]
         ssnap = _flat(states, self.device)
-        savg = ssnap.clone()
+        sdelta = bool(states) and self._moments_delta(skeys)
+        savg = ssnap - self._sanchor["flat"] if sdelta else ssnap.clone()
         wire = self.reconcile_dtype if delta else torch.float32
         chunks = self._average_chunks(send, vals, wire=wire, key="reconcile")
         if states:
-            chunks += self._average_chunks(savg, states, wire=torch.float32, key="moments")
+            swire = self.moments_dtype if sdelta else torch.float32
+            chunks += self._average_chunks(savg, states, wire=swire, key="moments")
         what = f"reconciliation of step {self.step} ({send.numel() + savg.numel()} elements)"
-        p = PendingAverage(keys=keys, skeys=[i.key for i in states], snap=snap, avg=send, delta=delta,
-                           ssnap=ssnap, savg=savg)
+        p = PendingAverage(keys=keys, skeys=skeys, snap=snap, avg=send, delta=delta,
+                           ssnap=ssnap, savg=savg, sdelta=sdelta)
         if blocking:
             self.dispatcher.run_reconcile(chunks, what)
         else:
@@ -242,13 +256,23 @@ class ReconcileMixin:
         self._anchor["flat"] = target.clone()
         return target
 
+    def _finish_states(self, p) -> torch.Tensor:
+        """The averaged moments (identical on every replica) from a finished average; with a lossy
+        ``moments_dtype`` they become the moment anchor (unclamped: the clamp is the tensor's)."""
+        if not p.skeys:
+            return p.savg
+        starget = self._sanchor["flat"] + p.savg if p.sdelta else p.savg
+        if self.moments_dtype != torch.float32:
+            self._sanchor = {"keys": list(p.skeys), "flat": starget.clone()}
+        return starget
+
     def _reconcile_blocking(self, source, *, moments: bool = False) -> None:
         vals, states = self._items(source, self.local_names(), self._moments_due(moments))
         if vals or states:
             p = self._launch_average(vals, states, blocking=True)
             target = self._finish_average(p)
             _scatter(vals, target)
-            _scatter(states, p.savg)
+            _scatter(states, self._finish_states(p))
             source.written()
             self._measure(vals, p.snap, target, self.step)
         self.all_synced = True
@@ -279,7 +303,7 @@ class ReconcileMixin:
                                "correction (optimizer state created or dropped?)")
         target = self._finish_average(p)
         _scatter(vals, target, snap=p.snap)
-        _scatter(states, p.savg, snap=p.ssnap)
+        _scatter(states, self._finish_states(p), snap=p.ssnap)
         source.written()
         self._measure(vals, p.snap, target, p.step)
         self.max_staleness = max(self.max_staleness, self.step - p.step)

@@ -294,8 +294,9 @@ class SelectiveSpec:
     reconcile_bytes: float = 4
     """Bytes per element of the parameters averaged at reconciliation (fp32 master weights by default)."""
     moments_bytes: float = 0.0
-    """Optimizer-moment bytes per LOCAL element and reconciliation, amortised: Adam's two fp32
-    moments averaged at every ``local.moments_interval``-th reconciliation are 8 / that interval."""
+    """Optimizer-moment bytes per LOCAL element and reconciliation, amortised: Adam's two moments
+    averaged at every ``local.moments_interval``-th reconciliation on the ``local.moments_dtype`` wire
+    are 2 x its bytes / that interval (8 / that interval in fp32)."""
     reconcile_interval: int = 4
     async_reconcile: bool = True
     pipelined: bool = False

@@ -136,7 +136,8 @@ def check_bench(results: dict, *, root: Path = Path("."),
                           sync_dtype=info.get("sync_dtype", opt.sync_dtype),
                           reconcile_dtype=info.get("reconcile_dtype", opt.reconcile_dtype),
                           reconcile_interval=int(info.get("reconcile_interval", opt.reconcile_interval)),
-                          moments_interval=int(info.get("moments_interval", opt.moments_interval)))
+                          moments_interval=int(info.get("moments_interval", opt.moments_interval)),
+                          moments_dtype=info.get("moments_dtype", "fp32"))
         if algo == "localsgd":
             opt = replace(opt, localsgd_period=period or int(info.get("averaging_period", 4)))
         sim = simulate(topo, wl, opt)
@@ -175,7 +176,7 @@ def render_markdown(rows: list[BenchRow], notes: list[str], tolerance: float) ->
 
 
 _INFO_KEYS = ("sync_fraction", "sync_dtype", "reconcile_dtype", "reconcile_interval", "moments_interval",
-              "averaging_period", "localsgd_warmup")
+              "moments_dtype", "averaging_period", "localsgd_warmup")
 
 
 def trim_results(results: dict) -> dict:

@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--moments-interval", type=int,
                    help=f"selective: Adam moments averaged at every N-th reconciliation "
                         f"(default {_D.moments_interval})")
+    o.add_argument("--moments-dtype", choices=["fp32", "bf16", "fp16"],
+                   help=f"selective: wire dtype of the Adam moments averaged at reconciliation "
+                        f"(default {_D.moments_dtype})")
     o.add_argument("--localsgd-period", type=int,
                    help=f"localsgd: steps between parameter averagings (default {_D.localsgd_period})")
     o.add_argument("--async-reconcile", dest="async_reconcile", action="store_true", default=None)
@@ -142,7 +145,7 @@ def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions
            "rank_order": args.rank_order, "seed": args.seed}
     for flag in ("group_by", "bucket_mb", "inter_dtype", "top_fraction", "last_n_layers", "last_n_share",
                  "promote_fraction", "sync_dtype", "local_dtype", "reconcile_dtype", "reconcile_interval",
-                 "moments_interval", "localsgd_period", "async_reconcile"):
+                 "moments_interval", "moments_dtype", "localsgd_period", "async_reconcile"):
         v = getattr(args, flag, None)
         if v is not None:
             okw[flag] = v

@@ -58,7 +58,9 @@ class SimOptions:
     reconcile_dtype: str = _default(LocalConfig, "reconcile_dtype")
     reconcile_interval: int = _default(LocalConfig, "reconcile_interval")
     moments_interval: int = _default(LocalConfig, "moments_interval")
-    """Adam's two fp32 moments of LOCAL tensors are averaged at every this many-th reconciliation."""
+    """Adam's two moments of LOCAL tensors are averaged at every this many-th reconciliation."""
+    moments_dtype: str = _default(LocalConfig, "moments_dtype")
+    """Wire of the moment average (a lossy one sends the change since the last average)."""
     async_reconcile: bool = _default(LocalConfig, "async_reconcile")
     localsgd_period: int = 4
     """Post-local SGD (``localsgd``): parameters averaged over all ranks every this many steps."""
@@ -73,7 +75,7 @@ class SimOptions:
             raise SimError(f"group_by = {self.group_by!r}; expected 'island' or 'leaf'")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise SimError(f"bucket size = {self.bucket_mb!r} MiB; expected a positive number")
-        for what in ("sync_dtype", "local_dtype", "reconcile_dtype"):
+        for what in ("sync_dtype", "local_dtype", "reconcile_dtype", "moments_dtype"):
             dtype_bytes(getattr(self, what), what)
         if self.inter_dtype is not None:
             dtype_bytes(self.inter_dtype, "inter_dtype")
@@ -99,6 +101,7 @@ def options_from_block(block, base: SimOptions) -> SimOptions:
         sync_dtype=block.sync.dtype, local_dtype=block.local.dtype, reconcile_dtype=block.local.reconcile_dtype,
         reconcile_interval=block.local.reconcile_interval, async_reconcile=block.local.async_reconcile,
         moments_interval=block.local.moments_interval, promote_fraction=block.local.promote_drift_fraction,
+        moments_dtype=block.local.moments_dtype,
     )
 
 
@@ -237,7 +240,7 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         top_fraction=opt.top_fraction, last_n_share=min(1.0, last_share + opt.promote_fraction),
         sync_bytes=DTYPE_BYTES[opt.sync_dtype], grad_bytes=DTYPE_BYTES[wl.grad_dtype],
         local_bytes=DTYPE_BYTES[opt.local_dtype], reconcile_bytes=DTYPE_BYTES[opt.reconcile_dtype],
-        moments_bytes=8.0 / opt.moments_interval,
+        moments_bytes=2.0 * DTYPE_BYTES[opt.moments_dtype] / opt.moments_interval,
         reconcile_interval=opt.reconcile_interval, async_reconcile=opt.async_reconcile,
     )
     spec.validate()
