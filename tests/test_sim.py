@@ -241,6 +241,10 @@ def test_bench_check_predicts_the_long_preset_within_25_percent(tmp_path, capsys
     assert sim_main(["--bench", str(root / "docs/data/bench-2x2-long.json")]) == 0
     out = capsys.readouterr().out
     assert f"{len(rows)} of {len(rows)} systems within 25%" in out
+    # the run with the bf16 moment wire (no unshaped ZeRO-0 in it: the main run's compute step), whose
+    # selective rows carry moments_dtype into the price
+    assert sim_main(["--bench", str(root / "docs/data/bench-2x2-long-moments16.json"), "--compute-s", "0.123"]) == 0
+    assert "5 of 5 systems within 25%" in capsys.readouterr().out
     for argv, msg in ((["--params", "1e9", "--compute-s", "1"],
                        "--topology FILE is required (or --bench RESULTS.json)"),
                       (["--bench", str(tmp_path / "none.json")], f"--bench {tmp_path / 'none.json'}: cannot read JSON"),
