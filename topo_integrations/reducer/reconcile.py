@@ -47,7 +47,8 @@ class ReconcileItem:
     param: str | None = None
     """The parameter whose values (or a slice of them) this is; drift is measured on these."""
     nonneg: bool = False
-    """A second moment: clamped at 0 after an asynchronous correction."""
+    """A second moment: clamped at 0 whenever an average writes it (an asynchronous correction or a
+    lossy ``local.moments_dtype`` delta may undershoot)."""
     state: bool = False
     """Optimizer state (moments): averaged on the ``local.moments_dtype`` wire, only at every
     ``local.moments_interval``-th reconciliation and at the blocking ones that precede a save, a class
