@@ -156,16 +156,20 @@ def reconcile_payload(local_elements: float, n_rec: int, info: dict) -> float:
     - values: fp32 means, or, with a 16- or 8-bit ``reconcile_dtype`` (or an outer optimizer), the deltas
       on that wire after a first exact fp32 average that sets the anchor;
     - moments (exp_avg, exp_avg_sq) at every ``moments_interval``-th reconciliation: fp32 means, or
-      with a 16- or 8-bit ``moments_dtype`` their change on that wire after a first exact average.
+      with a 16-bit ``moments_dtype`` their change on that wire after a first exact average.
     """
     if n_rec <= 0:
         return 0.0
+
+    def averages(n: int, wire: float, delta: bool) -> float:
+        """Bytes per element of ``n`` averages: all fp32, or the first fp32 (it sets the anchor) and
+        the rest as deltas on ``wire``."""
+        return 4 + (n - 1) * wire if n and delta else 4 * n
+
     wire = WIRE_BYTES[info.get("reconcile_dtype", "fp32")]
-    delta = wire != 4 or bool(info.get("outer_optimizer", False))
-    values = 4 + (n_rec - 1) * wire if delta else 4 * n_rec
-    n_mom = n_rec // max(1, int(info.get("moments_interval", 1)))
+    values = averages(n_rec, wire, wire != 4 or bool(info.get("outer_optimizer", False)))
     mwire = WIRE_BYTES[info.get("moments_dtype", "fp32")]
-    moments = 2 * (4 + (n_mom - 1) * mwire if n_mom and mwire != 4 else 4 * n_mom)
+    moments = 2 * averages(n_rec // max(1, int(info.get("moments_interval", 1))), mwire, mwire != 4)
     return local_elements * (values + moments)
 
 
