@@ -83,9 +83,8 @@ def test_waiting_for_a_held_local_bucket_releases_it_and_failure_is_fast():
 
 def test_wait_is_bounded_and_names_the_item_in_flight():
     d = _stub(True, timeout_s=0.2)
-    d.WAIT_SLACK_S = 0.0
     gate = threading.Event()
-    with pytest.raises(CollectiveError, match=r"did not complete within 0.4s .*in flight: stuck bucket"):
+    with pytest.raises(CollectiveError, match=r"stuck bucket did not complete within fallback.timeout_s = 0.2s "):
         d.call(lambda: gate.wait(20), "stuck bucket")
     gate.set()
     d.close()
@@ -139,7 +138,7 @@ def _rank_main(rank, world):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     trace = red.engine.dispatcher.trace
     out = {"start_check": [f.op for f in trace.take()]}
-    kinds = []
+    kinds, windows = [], []
     for step in range(6):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
         model(x).pow(2).mean().backward()
@@ -150,8 +149,9 @@ def _rank_main(rank, world):
         red.engine.dispatcher.drain()
         kinds.append([(f.comm.split(" ")[0], f.op) for f in list(trace._items)])
         red.after_optimizer_step(opt)
+        windows.append(red.engine.dispatcher.last_window_chunks)
         opt.zero_grad()
-    out["kinds"] = kinds
+    out["kinds"], out["windows"] = kinds, windows
     out["schedule"] = red.stats()["schedule"]
     # A rank whose trace differs makes every rank raise at the end of the step.
     model(torch.ones(2, 16)).sum().backward()
@@ -190,7 +190,9 @@ def test_sync_first_then_local_then_reconciliation(world):
             assert all(not c.endswith("_low") for c in tiers[:first_low]) and \
                 all(c.endswith("_low") or c == "data-parallel" for c in tiers[first_low:]), (step, seq)
             if step % 2 == 0 and step > 0:  # the reconciliation launched at step-1's end runs here, last
-                assert any(c == "inter_low" for c in tiers), (step, seq)
+                # (unless all its chunks fitted the measured pre-SYNC window: they ran at the launch)
+                k, n = r["windows"][step - 1]
+                assert (k == n) or any(c == "inter_low" for c in tiers), (step, seq, k, n)
 
 
 @pytest.mark.multirank

@@ -74,14 +74,16 @@ def padded_numel(n: int, k: int) -> int:
 
 def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: Record, fn, *,
         like: torch.Tensor | None = None):
-    """Issue one collective ``fn()`` and return when it is complete (every call here is blocking).
+    """Issue one collective ``fn()``: on gloo it returns when complete, on NCCL once enqueued.
 
-    Failures (a peer died, the group's ``fallback.timeout_s`` expired) become :class:`CollectiveError`
-    naming op, tier, group and ranks; ``record(tier, nbytes, seconds)`` books it. On the CPU the
-    seconds are the wall time of the blocking call, i.e. until completion; on CUDA they are the device
-    time between two events recorded around the call on the stream that ran it (resolved without
-    synchronising the default stream, Stats). With ``monitor.check_collectives`` (``groups.trace``)
-    the call's fingerprint (communicator, op, dtype of ``like``, elements) is traced first.
+    The schedule's watch (``groups.watch``, completion.py) holds it from its issue until its data
+    has arrived and bounds that by ``fallback.timeout_s``. Failures (a peer died, the group's
+    timeout expired) become :class:`CollectiveError` naming op, tier, group and ranks;
+    ``record(tier, nbytes, seconds)`` books it. On the CPU the seconds are the wall time of the
+    blocking call, i.e. until completion; on CUDA they are the device time between two events
+    recorded around the call on the stream that ran it (resolved a step late, never waited: Stats).
+    With ``monitor.check_collectives`` (``groups.trace``) the call's fingerprint (communicator, op,
+    dtype of ``like``, elements) is traced first.
     """
     trace = getattr(groups, "trace", None)
     if trace is not None:
@@ -90,19 +92,32 @@ def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: R
                   like.numel() if like is not None else nbytes)
     dev = getattr(groups, "device", None)
     cuda = dev is not None and dev.type == "cuda"
+    watch = getattr(groups, "watch", None)
     if cuda and record is not None:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+    me = groups.dp_ranks[groups.position]
+    # The schedule's watch bounds it from here (completion.py): on NCCL the call returns at enqueue.
+    flight = watch.begin(op, tier, groups.describe(group), me) if watch is not None else None
     t0 = time.perf_counter()
     try:
         out = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised with context
+        if flight is not None:
+            watch.drop(flight)
         waited = time.perf_counter() - t0
         timeout = f", timeout {groups.timeout_s:g}s" if groups.timeout_s else ""
         raise CollectiveError(
             f"topo_align: {op} on the {groups.describe(group)} failed after {waited:.1f}s{timeout} "
-            f"(this is global rank {groups.dp_ranks[groups.position]}, {tier} tier): {type(exc).__name__}: {exc}"
+            f"(this is global rank {me}, {tier} tier): {type(exc).__name__}: {exc}"
         ) from exc
+    if flight is not None:
+        if cuda:  # landed when an event after it on this stream has completed (polled, never waited)
+            landed = torch.cuda.Event()
+            landed.record()
+            watch.end(flight, landed.query)
+        else:
+            watch.end(flight)
     if record is not None:
         if cuda:
             end = torch.cuda.Event(enable_timing=True)

@@ -27,45 +27,32 @@ The schedule (docs/reducer.md, "One schedule"):
 3. **Priority.** Within a step the SYNC reductions go first; LOCAL (island tier) and reconciliation
    (slow tier, in chunks) follow, so reconciliation never queues ahead of a SYNC reduction on the
    slow tier.
-4. **Completion and bounds.** An item is done when its collectives completed (CPU: the blocking
-   calls returned; CUDA: the future carries the stream's events). Waits are bounded by
-   ``fallback.timeout_s``: past it the wait raises :class:`CollectiveError` naming the item in
-   flight. After a failure every later item fails at once (no second wait on a dead peer).
+4. **Completion and bounds.** Issue, completion and deadlines belong to the process's one
+   :class:`~topo_integrations.reducer.schedule.Schedule` (shared by every engine of the process):
+   every collective ends within ``fallback.timeout_s`` of its issue, done or in one
+   :class:`CollectiveError` naming op, tier, communicator, ranks and seconds (completion.py); on
+   CUDA completion is an event polled by the schedule's watcher, never a host wait in the step.
+   After a failure every later item fails at once (no second wait on a dead peer).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .collectives import CollectiveError
 from .kinds import Cls, Mode, Traffic
-from .order import CollectiveOrderError, Trace, compare
+from .order import CollectiveOrderError, compare
 from .recipes import Collective, CommBucket, Reduction, recipe
+from .schedule import Item, Schedule
 
 __all__ = ["Collective", "Reduction", "CommBucket", "Dispatcher", "CollectiveOrderError"]
 
 log = logging.getLogger("topo_align")
-
-
-@dataclass(eq=False)
-class _Item:
-    what: str
-    traffic: Traffic
-    fn: Callable[[], Any]
-    future: torch.futures.Future
-    ready: Any = None
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    submitted: float = 0.0
-    finished: float | None = None
-    reconcile: bool = False
 
 
 def _ema(old: float | None, x: float, decay: float = 0.7) -> float:
@@ -75,30 +62,28 @@ def _ema(old: float | None, x: float, decay: float = 0.7) -> float:
 class Dispatcher:
     """See the module docstring. ``wire`` holds the groups, the residuals and the statistics."""
 
-    def __init__(self, wire, *, threaded: bool, timeout_s: float | None, check: bool = False):
+    def __init__(self, wire, *, threaded: bool, timeout_s: float | None, check: bool = False,
+                 schedule: Schedule | None = None):
         self.wire = wire
         self.device = wire.device
         self.cuda = self.device.type == "cuda"
-        # gloo collectives block the caller: a thread gives the overlap. NCCL enqueues: one thread
-        # (the caller's) keeps the issue order without any thread of ours.
-        self.threaded = bool(threaded) and not self.cuda
         self.timeout_s = timeout_s
+        # One schedule per process (schedule.py): every engine whose groups share it issues through it.
+        self.sched = schedule or Schedule.of(wire.groups, device=self.device, timeout_s=timeout_s, check=check)
+        # gloo collectives block the caller: a thread gives the overlap. NCCL enqueues: the caller's
+        # thread keeps the issue order without any thread of ours.
+        self.sched.retain(threaded=bool(threaded))
         self.mode: Mode = Mode.HIERARCHICAL
         self.sync_dtype = torch.float32
         self.local_dtype = torch.float32
-        self._stream = torch.cuda.Stream(device=self.device, priority=-1) if self.cuda else None
-        self._held_local: list[_Item] = []
-        self._held_reconcile: list[_Item] = []
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._running: _Item | None = None
-        self._broken: BaseException | None = None
+        self._held_local: list[Item] = []
+        self._held_reconcile: list[Item] = []
         self._lock = threading.Lock()
         self._rc_outstanding = 0
-        self._pending_items: dict[int, _Item] = {}
-        """id(future) -> its item, until done (wait() finds held and running items here)."""
-        self.trace = Trace() if check else None
-        wire.groups.trace = self.trace
+        self.last_reconcile_items: list[Item] = []
+        """The chunks of the latest asynchronous reconciliation (for a state saved while in flight)."""
+        self._timed_chunks: list[Item] = []
+        """CUDA: reconciliation chunks whose timing events are not resolved yet (read a step late)."""
         self.schedule: list[dict] = []
         """Per step: ``sync_tail_s`` (last SYNC submission -> last SYNC completion) and
         ``reconcile_in_flight`` (a reconciliation was outstanding when the step's SYNC began)."""
@@ -116,7 +101,7 @@ class Dispatcher:
         the rest after ``all_submitted``). For the ablation of scripts/sync_priority.py only:
         ``"held"`` (all after ``all_submitted``) and ``"launch"`` (all at launch, ahead of the next
         step's buckets)."""
-        self._step_sync: list[_Item] = []
+        self._step_sync: list[Item] = []
         self._step_rc = False
         self._local_open = False
         """After sync_done and until all_submitted: LOCAL buckets go when submitted."""
@@ -127,10 +112,19 @@ class Dispatcher:
         """The engine's current mode and wire dtypes (changed only at step boundaries)."""
         self.mode, self.sync_dtype, self.local_dtype = Mode(mode), sync_dtype, local_dtype
 
+    @property
+    def trace(self):
+        """The process's fingerprint trace (``monitor.check_collectives``), or None."""
+        return self.sched.trace
+
+    @property
+    def threaded(self) -> bool:
+        return self.sched.threaded
+
     def set_wire(self, wire) -> None:
         """New groups (adaptive regrouping): same schedule, new communicators."""
         self.wire = wire
-        wire.groups.trace = self.trace
+        self.sched.attach(wire.groups)
 
     # ------------------------------------------------------------------ the adapters' call
 
@@ -148,6 +142,7 @@ class Dispatcher:
 
         item = self._item(f"{bucket.collective} of {cls} bucket {bucket.key!r} ({bucket.flat.numel()} elements)",
                           traffic, job)
+        item.value = value
         if traffic is Traffic.SYNC:
             if not self._step_sync:
                 self._step_rc = self._rc_outstanding > 0
@@ -173,21 +168,25 @@ class Dispatcher:
 
     def wait(self, fut: torch.futures.Future):
         """The future's value, bounded by ``fallback.timeout_s``; held LOCAL work is released first
-        (a caller waiting for it is a fixed point of the program)."""
-        item = self._find(fut)
+        (a caller waiting for it is a fixed point of the program). On CUDA the caller's stream waits
+        for the data (the host does not)."""
+        item = self.sched.find(fut)
         if item is not None:
             if any(i is item for i in self._held_local):
                 self._release(self._take_held(reconcile=False))
             if any(i is item for i in self._held_reconcile):
                 self._release(self._take_held(reconcile=True))
-            self._wait_item(item)
+            self.sched.wait(item, host=False)
+            return item.value if not self.cuda and item.value is not None else fut.wait()
         return fut.wait()
 
     def call(self, fn: Callable[[], Any], what: str, traffic: Traffic = Traffic.CONTROL):
-        """Run ``fn`` (one or more collectives) in the schedule now and return its value."""
+        """Run ``fn`` (one or more collectives) in the schedule now and return its value, once its
+        data has arrived (a control value the caller reads on the host)."""
         item = self._item(what, traffic, fn)
         self._release([item])
-        return self.wait(item.future)
+        self.sched.wait(item, host=True)
+        return item.result
 
     def submit_reconcile(self, chunks: list[Callable[[], None]], what: str) -> torch.futures.Future:
         """An asynchronous reconciliation: the future completes with the last chunk (items run in
@@ -203,6 +202,7 @@ class Dispatcher:
             return fut
         with self._lock:
             self._rc_outstanding += len(items)
+        self.last_reconcile_items = items
         if self.reconcile_release == "launch":
             self._release(items)
             return items[-1].future
@@ -230,9 +230,22 @@ class Dispatcher:
         self._window_k = self._window_chunks() if self._window_plans > 0 else 0
         self._window_plans += 1
 
+    def _resolve_chunk_times(self) -> None:
+        """CUDA: chunk times from the timing events of chunks that have landed (never waits)."""
+        left = []
+        for it in self._timed_chunks:
+            start, end = it.events
+            if end.query():
+                self._chunk_s = _ema(self._chunk_s, start.elapsed_time(end) / 1000.0)
+            else:
+                left.append(it)
+        self._timed_chunks = left
+
     def _window_chunks(self) -> int:
         """Chunks that fit in the pre-SYNC window on every rank: floor(0.8 * min window / max chunk)."""
         import math
+
+        self._resolve_chunk_times()
 
         w = self._window_s if self._window_s is not None else 0.0
         c = self._chunk_s if self._chunk_s is not None else math.inf
@@ -242,6 +255,17 @@ class Dispatcher:
         if not (chunk > 0 and math.isfinite(chunk)) or window <= 0:
             return 0
         return int(0.8 * window / chunk)
+
+    def settle_released(self, items: list[Item]) -> int:
+        """Wait (bounded) for the leading ``items`` that were released, issuing nothing; returns how
+        many of them, from the front, are done. Held items stay held."""
+        n = 0
+        for it in items:
+            if any(h is it for h in self._held_reconcile) or any(h is it for h in self._held_local):
+                break
+            self.sched.wait(it, host=True)
+            n += 1
+        return n
 
     def drain(self) -> None:
         """Wait until every released item is done (held ones stay held)."""
@@ -280,118 +304,42 @@ class Dispatcher:
         compare(dict(gathered), step=step)
 
     def close(self) -> None:
-        """Stop the thread after the released items; held items are dropped (their futures fail).
+        """Drop this engine's held items (their futures fail); the last engine of the schedule stops
+        its threads after the released items.
 
         Never issues a collective: close() may run from a garbage collector (a framework engine's
         ``__del__``) at a point that differs between ranks."""
         dropped = self._take_held(reconcile=True)
         for it in dropped:
-            self._fail(it, CollectiveError(f"topo_align: {it.what} was never issued: the engine was closed"))
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=5)
-            self._thread = None
+            self.sched.fail(it, CollectiveError(f"topo_align: {it.what} was never issued: the engine was closed"))
+        self.sched.release_user()
 
     # ------------------------------------------------------------------ the queue
 
-    def _item(self, what: str, traffic: Traffic, fn, *, reconcile: bool = False) -> _Item:
-        fut = torch.futures.Future(devices=[self.device]) if self.cuda else torch.futures.Future()
-        item = _Item(what, Traffic(traffic), fn, fut, submitted=time.perf_counter(), reconcile=reconcile)
-        if self.cuda:
-            item.ready = torch.cuda.Event()
-            item.ready.record(torch.cuda.current_stream(self.device))
-        with self._lock:
-            self._pending_items[id(fut)] = item
-        return item
+    def _item(self, what: str, traffic: Traffic, fn, *, reconcile: bool = False) -> Item:
+        return self.sched.item(what, traffic, fn, owner=self, reconcile=reconcile)
 
-    def _chunk_items(self, chunks: list[Callable[[], None]], what: str, *, reconcile: bool) -> list[_Item]:
+    def _chunk_items(self, chunks: list[Callable[[], None]], what: str, *, reconcile: bool) -> list[Item]:
         """Reconciliation chunks as items; ``reconcile``: counted as outstanding (asynchronous)."""
         return [self._item(f"{what}, chunk {i + 1}/{len(chunks)}", Traffic.RECONCILE, c, reconcile=reconcile)
                 for i, c in enumerate(chunks)]
 
-    def _find(self, fut) -> _Item | None:
-        with self._lock:
-            return self._pending_items.get(id(fut))
-
-    def _take_held(self, *, reconcile: bool) -> list[_Item]:
+    def _take_held(self, *, reconcile: bool) -> list[Item]:
         out, self._held_local = self._held_local, []
         if reconcile:
             out += self._held_reconcile
             self._held_reconcile = []
         return out
 
-    def _release(self, items: list[_Item]) -> None:
-        if not items:
-            return
-        if not self.threaded:
-            for it in items:
-                self._execute(it)
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="topo_align_dispatch", daemon=True)
-            self._thread.start()
-        for it in items:
-            self._queue.put(it)
+    def _release(self, items: list[Item]) -> None:
+        self.sched.release(items)
 
-    def _loop(self) -> None:
-        while True:
-            it = self._queue.get()
-            if it is None:
-                return
-            self._execute(it)
-
-    def _execute(self, it: _Item) -> None:
-        self._running = it
-        try:
-            if self._broken is not None:
-                raise CollectiveError(f"topo_align: {it.what} not issued: an earlier collective failed "
-                                      f"({type(self._broken).__name__}: {self._broken})")
-            if self._stream is None:
-                started = time.perf_counter()
-                value = it.fn()
-                it.finished = time.perf_counter()
-                if it.reconcile:
-                    self._chunk_s = _ema(self._chunk_s, it.finished - started)
-                it.future.set_result(value)
-            else:
-                with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                    self._stream.wait_event(it.ready)
-                    value = it.fn()
-                    # A CUDA-aware future: waiters' streams wait for this stream's work so far.
-                    it.future.set_result(value)
-        except BaseException as exc:  # noqa: BLE001 - delivered through the future
-            if self._broken is None:
-                self._broken = exc
-            self._running = None
-            self._fail(it, exc)
-            return
-        self._running = None
-        self._settle(it)
-
-    WAIT_SLACK_S = 10.0
-    """Added to twice ``fallback.timeout_s`` for a wait: the collective's own timeout (the groups
-    carry ``fallback.timeout_s``) should fire first and name the real cause."""
-
-    def _fail(self, it: _Item, exc: BaseException) -> None:
-        it.error = exc
-        it.future.set_exception(exc)
-        self._settle(it)
-
-    def _settle(self, it: _Item) -> None:
-        """Book a finished (or failed) item: no longer outstanding, waiters released."""
+    def _booked(self, it: Item) -> None:
+        """The schedule is done with ``it`` on the host (schedule.py): chunk times, counters."""
         if it.reconcile:
+            if it.seconds is not None and it.error is None:
+                self._chunk_s = _ema(self._chunk_s, it.seconds)
+            elif it.events is not None:
+                self._timed_chunks.append(it)
             with self._lock:
                 self._rc_outstanding -= 1
-        with self._lock:
-            self._pending_items.pop(id(it.future), None)
-        it.done.set()
-
-    def _wait_item(self, it: _Item) -> None:
-        limit = None if not self.timeout_s else 2 * self.timeout_s + self.WAIT_SLACK_S
-        if not it.done.wait(limit):
-            running = self._running
-            raise CollectiveError(
-                f"topo_align: {it.what} did not complete within {limit:g}s (fallback.timeout_s = "
-                f"{self.timeout_s:g}); in flight: {running.what if running else 'nothing'}")
-        if it.error is not None:
-            raise it.error

@@ -116,7 +116,7 @@ class Engine(ReconcileMixin):
         from .health import start_check
 
         # Every adapter builds an engine: the start-of-run check runs once per engine, in the schedule.
-        self.call(lambda: start_check(self.groups), "start-of-run check")
+        self.call(lambda: start_check(self.groups), "start-of-run check")()  # verified once landed
 
     def _configure_dispatch(self) -> None:
         self.dispatcher.configure(mode=self.mode, sync_dtype=self.sync_dtype, local_dtype=self.local_dtype)
@@ -328,11 +328,15 @@ class Engine(ReconcileMixin):
     # ------------------------------------------------------------------ state and stats
 
     def state_dict(self) -> dict:
-        """The engine's state on THIS rank (residuals differ per rank: save it per rank). An in-flight
-        asynchronous reconciliation is waited for and kept, so a resumed run applies the same
-        correction at the same step as an uninterrupted one."""
-        self.drain()
-        pend = None if self._pending is None else self._pending.state_dict()
+        """The engine's state on THIS rank (residuals differ per rank: save it per rank).
+
+        Issues no collective, so any subset of ranks may call it (docs/design.md, invariant 7): an in-flight
+        asynchronous reconciliation is kept as far as it got (chunks every rank released are waited
+        for, held chunks are recorded as not run), so a resumed run finishes the same average and
+        applies the same correction at the same step as an uninterrupted one. Reconciling first
+        (``reconcile()``, the frameworks' save) is what makes the replicas identical; without it
+        this state is this rank's group's."""
+        pend = self._pending_state()
         def to_cpu(d):
             return None if d is None else {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in d.items()}
 

@@ -32,6 +32,7 @@ from ..topology import Plan, PlanError, Topology, TopologyError, plan_groups
 from ..topology.machine import HOSTNAME_ENV
 from ..topology.model import DEFAULT_TIERS, RankPlace
 from .collectives import bounded
+from .completion import backstop_timeout_s, completion_kind
 
 __all__ = ["ReducerGroups", "SYNC_KINDS", "group_options",
            "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
@@ -86,8 +87,13 @@ class ReducerGroups:
     """The communication device: every tensor handed to a collective on these groups lives there
     (set by the engine: the CUDA device with NCCL, the CPU with gloo)."""
     trace: Any = None
-    """With ``monitor.check_collectives``: the dispatcher's :class:`~topo_integrations.reducer.order.Trace`
+    """With ``monitor.check_collectives``: the schedule's :class:`~topo_integrations.reducer.order.Trace`
     (every collective on these groups leaves its fingerprint there)."""
+    schedule: Any = None
+    """The process's :class:`~topo_integrations.reducer.schedule.Schedule` issuing on these groups
+    (attached by the first engine; every engine on these groups shares it)."""
+    watch: Any = None
+    """The schedule's :class:`~topo_integrations.reducer.completion.Watch` (deadlines of collectives in flight)."""
 
     def ranks_of(self, group: Any) -> tuple[int, ...]:
         """Global ranks of a group handle of this object (the DP group for None)."""
@@ -184,7 +190,11 @@ def build_groups(plan: Plan, *, dp_ranks_all: list[list[int]] | None = None,
         raise ValueError(f"topo_align: global rank {me} is in no data-parallel group of {dp_ranks_all!r}")
     my_dp = mine[0]
     position = my_dp.index(me)
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    # gloo blocks and raises at the group's timeout; NCCL's watchdog would kill the process there,
+    # so its groups get a later backstop and the schedule's watch names and aborts first.
+    backend_kind = "event" if dist.get_backend() == "nccl" else completion_kind("cpu")
+    group_timeout_s = backstop_timeout_s(timeout_s, backend_kind)
+    timeout = datetime.timedelta(seconds=group_timeout_s) if group_timeout_s is not None else None
     names: dict[int, str] = {}
 
     # Phase 1: data-parallel groups.

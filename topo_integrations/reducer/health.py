@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,18 @@ class ProbeResult:
         return list(by.values())
 
 
-def start_check(groups: ReducerGroups) -> None:
+def start_check(groups: ReducerGroups) -> Callable[[], None]:
     """The start-of-run check every adapter runs (through its engine): one all-reduce of a single
     element on every communicator of the engine, on the communication device, in ``CHECK_KINDS``
     order. It fails fast (within ``fallback.timeout_s``, naming the tier, group and ranks) when a
     peer or a link is missing, catches a membership mismatch (the sum must equal the group size),
-    and creates the communicators before the first step (NCCL and gloo connect lazily)."""
+    and creates the communicators before the first step (NCCL and gloo connect lazily).
+
+    Issues the all-reduces and returns the verification, which reads the sums on the host: call it
+    only once they have arrived (the engine's ``call`` waits for that, bounded), never inside the
+    issuing step (on NCCL ``.item()`` there would block the host on a dead peer, unbounded)."""
     dev = groups.device or torch.device("cpu")
+    issued = []
     for kind in CHECK_KINDS:
         group = getattr(groups, kind, None)
         if group is None and kind != "dp_group":
@@ -78,9 +84,15 @@ def start_check(groups: ReducerGroups) -> None:
         run(f"all_reduce(start-of-run check, {kind})", tier, group if kind != "dp_group" else groups.dp_group,
             groups, 4, None, lambda t=t, g=(groups.dp_group if kind == "dp_group" else group):
             dist.all_reduce(t, group=g), like=t)
-        if int(t.item()) != size:
-            raise RuntimeError(f"topo_align: start-of-run check on the {groups.describe(group)}: the all-reduce "
-                               f"counted {int(t.item())} members, expected {size} (ranks disagree on the groups)")
+        issued.append((t, size, group))
+
+    def verify() -> None:
+        for t, size, group in issued:
+            if int(t.item()) != size:
+                raise RuntimeError(f"topo_align: start-of-run check on the {groups.describe(group)}: the all-reduce "
+                                   f"counted {int(t.item())} members, expected {size} (ranks disagree on the groups)")
+
+    return verify
 
 
 def _time_all_reduce(t: torch.Tensor, group, groups: ReducerGroups, what: str, iters: int) -> float:

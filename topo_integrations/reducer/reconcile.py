@@ -124,10 +124,16 @@ class PendingAverage:
     """Whether ``savg`` holds the mean change of the moments since the moment anchor."""
     future: Any = None
     """The dispatcher's future of the last chunk; None once waited (or after a restore)."""
+    items: Any = None
+    """The dispatcher's items of the chunks, in order (runtime only)."""
+    chunks_done: int | None = None
+    """Restored from a state saved while the average was in flight: the first ``chunks_done`` of
+    ``chunks`` chunks had landed, the rest run (blocking) before the correction. None otherwise."""
+    chunks: int = 0
 
     def state_dict(self) -> dict:
         return {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in self.__dict__.items()
-                if k != "future"}
+                if k not in ("future", "items")}
 
     @classmethod
     def from_state(cls, sd: dict | None, device) -> "PendingAverage | None":
@@ -232,19 +238,26 @@ class ReconcileMixin:
         ssnap = _flat(states, self.device)
         sdelta = bool(states) and self._moments_delta(skeys)
         savg = ssnap - self._sanchor["flat"] if sdelta else ssnap.clone()
-        wire = self.reconcile_dtype if delta else torch.float32
-        chunks = self._average_chunks(send, vals, wire=wire, key="reconcile")
-        if states:
-            swire = self.moments_dtype if sdelta else torch.float32
-            chunks += self._average_chunks(savg, states, wire=swire, key="moments")
-        what = f"reconciliation of step {self.step} ({send.numel() + savg.numel()} elements)"
         p = PendingAverage(keys=keys, skeys=skeys, snap=snap, avg=send, delta=delta,
                            ssnap=ssnap, savg=savg, sdelta=sdelta)
+        chunks = self._chunks_of(p, vals, states)
+        what = f"reconciliation of step {self.step} ({send.numel() + savg.numel()} elements)"
         if blocking:
             self.dispatcher.run_reconcile(chunks, what)
         else:
             p.future = self.dispatcher.submit_reconcile(chunks, what)
+            p.items, p.chunks = self.dispatcher.last_reconcile_items, len(chunks)
         return p
+
+    def _chunks_of(self, p: PendingAverage, vals, states) -> list[Callable[[], None]]:
+        """The average's chunks (values, then moments): the same list at the launch and when a run
+        resumed from a state saved mid-average finishes it."""
+        wire = self.reconcile_dtype if p.delta else torch.float32
+        chunks = self._average_chunks(p.avg, vals, wire=wire, key="reconcile")
+        if states:
+            swire = self.moments_dtype if p.sdelta else torch.float32
+            chunks += self._average_chunks(p.savg, states, wire=swire, key="moments")
+        return chunks
 
     def _finish_average(self, p) -> torch.Tensor:
         """The reconciled values (identical on every rank) from a finished average; updates the anchor."""
@@ -302,12 +315,31 @@ class ReconcileMixin:
         if [i.key for i in vals] != p.keys or [i.key for i in states] != p.skeys:
             raise RuntimeError("topo_align: the tensors to reconcile changed between the snapshot and the "
                                "correction (optimizer state created or dropped?)")
+        if p.chunks_done is not None and p.chunks_done < p.chunks:
+            # Resumed from a state saved mid-average: the chunks that had not landed, as they would have.
+            self.dispatcher.run_reconcile(self._chunks_of(p, vals, states)[p.chunks_done:],
+                                          f"reconciliation of step {p.step}, resumed at chunk {p.chunks_done + 1}")
         target = self._finish_average(p)
         _scatter(vals, target, snap=p.snap)
         _scatter(states, self._finish_states(p), snap=p.ssnap)
         source.written()
         self._measure(vals, p.snap, target, p.step)
         self.max_staleness = max(self.max_staleness, self.step - p.step)
+
+    def _pending_state(self) -> dict | None:
+        """The pending average as saved state, issuing no collective: the chunks already released
+        (by every rank, at the same point) are waited for; held ones stay held and are recorded as
+        not done, so a resumed run runs them before the correction (bitwise the same average)."""
+        p = self._pending
+        if p is None:
+            return None
+        done = None
+        if p.future is not None and p.items is not None:
+            done = self.dispatcher.settle_released(p.items)
+        sd = p.state_dict()
+        if done is not None and done < len(p.items):
+            sd["chunks_done"] = done
+        return sd
 
     def drain(self) -> None:
         """Wait for an in-flight asynchronous average (no new collective); keeps the correction."""
