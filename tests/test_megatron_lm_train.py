@@ -12,12 +12,14 @@ run         what                                           checked
 =========== ============================================== ===========================================
 stock       no --topo-align, plain DDP, --mock-data        reference parameters; loss falls
 hier-script hierarchical, plain DDP, the launch script     parameters == stock (1e-6), via --save
-hier-dopt   hierarchical, --use-distributed-optimizer      parameters == stock (1e-6)
+hier-dopt   hierarchical, --use-distributed-optimizer      parameters == stock (1e-6); the instance
+            without --num-distributed-optimizer-instances  count derived from the topology (logged)
 sel-ddp     selective, plain DDP, indexed dataset, async   invariants every step; loss falls; save
             reconcile every 2 steps, --save at 4 (in       reconciles (all ranks equal)
             flight)
 sel-ddp-res --load at 4 of sel-ddp                         parameters == sel-ddp's (bitwise)
-sel-dopt    selective, distributed optimizer, as sel-ddp   invariants every step; save reconciles
+sel-dopt    selective, distributed optimizer (instances    invariants every step; save reconciles
+            given explicitly, = groups), as sel-ddp
 sel-dopt-res --load at 4 of sel-dopt                       parameters == sel-dopt's (bitwise)
 =========== ============================================== ===========================================
 
@@ -133,7 +135,8 @@ def run(tmp_path_factory):
         "hier-script": lambda: script("hier-script", ["--mock-data", "--topo-align", "--topo-align-mode",
                                                       "hierarchical"]),
         "hier-dopt": lambda: probe("hier-dopt", ["--mock-data", "--topo-align", "--topo-align-mode", "hierarchical",
-                                                 "--topo-align-topology", TOPOLOGY, *DOPT]),
+                                                 "--topo-align-topology", TOPOLOGY,
+                                                 "--use-distributed-optimizer"]),
         "sel-ddp": lambda: probe("sel-ddp", [*dataset(), *SELECTIVE, "--save", str(base / "ck-ddp"),
                                              "--save-interval", "4"]),
         "sel-ddp-res": lambda: probe("sel-ddp-res", [*dataset(), *SELECTIVE, "--load", str(base / "ck-ddp"),
@@ -192,6 +195,8 @@ def test_hierarchical_through_the_launch_script_equals_stock(run):
 @pytest.mark.timeout(600)
 def test_hierarchical_with_the_distributed_optimizer_equals_stock(run):
     r, ref = run("hier-dopt").ok(), run("stock").ok()
+    # No --num-distributed-optimizer-instances: derived and said once (TopoAlignDDP refuses any count but 2).
+    assert r.log.count("--num-distributed-optimizer-instances not set: using 2, the number of topology groups") == 1
     steps = r.jsonl("steps.jsonl")
     assert all(s["all_equal"] and s["type"] == "TopoAlignDDP" for s in steps)
     assert _rel(r.params(0), ref.params(0)) <= 1e-6

@@ -40,7 +40,7 @@ class Preset:
 LONG_DEFAULTS = dict(
     steps=400, warmup_steps=20, lr_schedule="constant", eval_interval=25, eval_batches=8, equal_budget=True,
     repeats=2, comm_share=True, timeout_s=2400.0)
-"""2x2-long: 400 steps of stock ZeRO-0 set the budget (docs/benchmarks.md, "Long horizon": why 400 and
+"""2x2-long: 400 steps of stock ZeRO-0 set the budget (docs/benchmarks.md, "The long-horizon preset": why 400 and
 why constant after a 20-step warm-up); validation on 8 held-out micro-batches every 25 steps; two
 interleaved rounds; the comm share of ZeRO-0 re-measured in the same run."""
 

@@ -94,7 +94,7 @@ def _validation(sysm, spec: dict, val, world: int) -> float:
     """Validation loss along the run. A local method (replicas differ between groups) is evaluated
     on the exact mean of the replicas [one fp32 all-reduce of the parameters], i.e. the model a
     blocking reconciliation would give, and its replicas are then restored bit for bit, so the
-    evaluation leaves the training trajectory untouched (docs/benchmarks.md, "Long horizon")."""
+    evaluation leaves the training trajectory untouched (docs/benchmarks.md, "The long-horizon preset")."""
     if not spec.get("local_method"):
         return _eval_batches(sysm, spec, val, world)
     params = [p for p in sysm.model.parameters()]

@@ -41,6 +41,7 @@ from ..reducer.groups import ReducerGroups
 from .bucket_group import TopoBucketGroup
 from .groups import GroupSet, LayoutError, groups_for_dp_group
 from .layers import global_layer_index
+from .layout import instances_refusal
 from .loss_capture import LossCapture
 from .optimizer import MegatronReconcileSource, prepare_checkpoint, prepare_optimizer
 from .refusals import MegatronSide, TopoAlignDDPError, check_config, check_megatron_settings
@@ -183,12 +184,8 @@ class TopoAlignDDP(DistributedDataParallel):
     def _topo_check_instances(self, groups: ReducerGroups, instance_group, kind: str) -> None:
         """The distributed optimizer shards over Megatron's instance groups: they must be our islands."""
         K = self.ddp_config.num_distributed_optimizer_instances
-        plan = groups.plan
-        if K != plan.num_groups:
-            raise LayoutError(
-                f"topo_align: with the distributed optimizer, num_distributed_optimizer_instances must equal the "
-                f"number of topology groups: it is {K}, the topology has {plan.num_groups} groups of "
-                f"{plan.group_size} ranks; launch with --num-distributed-optimizer-instances {plan.num_groups}")
+        if K != groups.plan.num_groups:
+            raise LayoutError(instances_refusal(K, groups.plan))
         inst = tuple(dist.get_process_group_ranks(instance_group))
         if tuple(sorted(inst)) != tuple(sorted(groups.intra_ranks)) or instance_group.rank() != groups.intra_rank:
             raise LayoutError(

@@ -16,7 +16,8 @@ Flags override the file; fields neither sets keep the schema's defaults. A bad v
 parse time with argparse's one-line ``error:`` message (exit status 2), naming the flag, the value
 and what is accepted. After parsing, the resolved config is stored on the namespace as
 ``args.topo_align_resolved`` (None when the plugin is off), which is where `TopoAlignDDP` and
-Megatron-LM's ``get_model`` pick it up.
+Megatron-LM's ``get_model`` pick it up. A ``--num-distributed-optimizer-instances`` the user did not
+give is recorded as unset (``args.topo_align_unset_layout``, layout.py) so the plugin can derive it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 from typing import Any
 
 from ..config import DTYPES, MODES, ConfigError, TopoAlignConfig
+from .layout import mark_derivable, resolve_unset
 
 __all__ = ["add_topo_align_args", "config_from_args", "FLAG_FIELDS", "RESOLVED_ATTR", "TopoAlignFlagError"]
 
@@ -125,6 +127,7 @@ def add_topo_align_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help=f"selective: wire dtype of LOCAL gradients inside a group: {', '.join(DTYPES)}.")
     g.add_argument("--topo-align-importance", type=_choice(IMPORTANCE_METHODS), default=None, metavar="METHOD",
                    help=f"selective: importance score: {', '.join(IMPORTANCE_METHODS)}.")
+    mark_derivable(parser)  # Megatron-LM's --num-distributed-optimizer-instances, when already added
     _resolve_after_parsing(parser)
     return parser
 
@@ -174,6 +177,7 @@ def _resolve_after_parsing(parser: argparse.ArgumentParser) -> None:
 
     def parse_known_args(args=None, namespace=None):
         ns, rest = original(args, namespace)
+        resolve_unset(ns)  # layout.py: sentinels back to Megatron's defaults, the unset flags recorded
         try:
             setattr(ns, RESOLVED_ATTR, config_from_args(ns))
         except ConfigError as exc:

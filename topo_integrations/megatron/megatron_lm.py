@@ -12,6 +12,10 @@ enough (docs/megatron.md, "Three ways in") and no Megatron-LM file is edited:
   the stock classes are used, so the run is stock Megatron;
 * ``megatron.training.training.get_megatron_optimizer`` -> `prepare_optimizer` (global gradient
   statistics in `selective`, reconciliation every H steps);
+* ``megatron.training.initialize._initialize_distributed`` -> with ``--topo-align
+  --use-distributed-optimizer`` and no ``--num-distributed-optimizer-instances``, derives the
+  instance count from the topology between ``init_process_group`` and ``initialize_model_parallel``
+  (layout.py), which it wraps for the duration of that call only;
 * ``save_checkpoint`` / ``load_checkpoint`` (in ``megatron.training.training``) -> reconcile before
   saving and write/read the plugin state per rank in ``<save>/iter_NNNNNNN/topo_align/rankR.pt``.
 
@@ -32,6 +36,7 @@ import torch
 from .compat import INSTALL_SEAMS, check_seams
 from .ddp import TopoAlignDDP, prepare_checkpoint, prepare_optimizer
 from .flags import RESOLVED_ATTR, add_topo_align_args
+from .layout import INSTANCES, UNSET_ATTR, derive_layout
 
 __all__ = ["install", "install_runtime", "uninstall", "is_installed", "TopoAlignDDPConfig", "extra_args_provider"]
 
@@ -118,10 +123,47 @@ def install() -> None:
 
     _patch(arguments, "add_megatron_arguments", add_megatron_arguments)
     _patch(training, "get_model", get_model)
+    _patch_initialize_distributed(training)
     # get_model() rebinds these two per call; remember the stock values for uninstall().
     _saved.setdefault((training, "DDP"), stock_ddp)
     _saved.setdefault((training, "DistributedDataParallelConfig"), stock_cfg)
     install_runtime()
+
+
+def _patch_initialize_distributed(training) -> None:
+    """Derive the unset layout flags (layout.py) where torch.distributed is up and the model-parallel
+    groups are not built yet: inside Megatron-LM's ``_initialize_distributed``, just before its
+    ``mpu.initialize_model_parallel`` call (``mpu`` is megatron-core's parallel_state, looked up at
+    call time). The parallel_state function is swapped only while that call runs, and only when a
+    flag is pending, so every other caller of megatron-core (and a stock run) is untouched."""
+    from megatron.core import parallel_state
+    from megatron.training import initialize
+
+    orig_init = initialize._initialize_distributed
+
+    @functools.wraps(orig_init)
+    def _initialize_distributed(*args, **kwargs):
+        margs = training.get_args()
+        if getattr(margs, RESOLVED_ATTR, None) is None or not getattr(margs, UNSET_ATTR, ()):
+            return orig_init(*args, **kwargs)
+        orig_imp = parallel_state.initialize_model_parallel
+
+        @functools.wraps(orig_imp)
+        def initialize_model_parallel(*a, **kw):
+            size = (margs.tensor_model_parallel_size * margs.pipeline_model_parallel_size
+                    * margs.context_parallel_size)
+            derive_layout(margs, getattr(margs, RESOLVED_ATTR, None), model_parallel_size=size)
+            # The DDP config get_model builds copies the same args attribute: both see one value.
+            kw[INSTANCES] = getattr(margs, INSTANCES)
+            return orig_imp(*a, **kw)
+
+        parallel_state.initialize_model_parallel = initialize_model_parallel
+        try:
+            return orig_init(*args, **kwargs)
+        finally:
+            parallel_state.initialize_model_parallel = orig_imp
+
+    _patch(initialize, "_initialize_distributed", _initialize_distributed)
 
 
 def install_runtime() -> None:

@@ -42,6 +42,7 @@ PADDED_VOCAB = 264  # the byte tokenizer's 258 ids, padded to a multiple of 8 (a
 
 def build_parser() -> argparse.ArgumentParser:
     from ..megatron import add_topo_align_args
+    from ..megatron.layout import mark_derivable
 
     ap = common.ArgumentParser(prog="pretrain_megatron", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -52,14 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("Megatron")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state (with topo-align: --num-distributed-optimizer-instances = islands)")
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+                   help="shard optimizer state (with topo-align: one optimizer instance per topology group)")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="optimizer instances; unset with topo-align: the number of topology groups")
     g.add_argument("--bucket-size", type=int, default=None, help="DDP bucket size in elements (default: Megatron's)")
     g.add_argument("--no-overlap-grad-reduce", action="store_true",
                    help="reduce all buckets after backward instead of from the backward hooks")
     g.add_argument("--megatron-lm", default=None, metavar="DIR",
                    help="run Megatron-LM's pretrain_gpt.py from this checkout (with the plugin installed) "
                         "instead of this script's loop; the remaining arguments are Megatron-LM's")
+    mark_derivable(ap)  # unset --num-distributed-optimizer-instances: derived in run() (megatron/layout.py)
     return ap
 
 
@@ -109,13 +112,22 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--tensor-model-parallel-size {tp}: must divide the world size {world}")
     paths = common.run_paths(args, "megatron", block)
     gcfg = preset(args.model, seq_length=args.seq_length)
-
+    _derive_layout(args, block, tp)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                  num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     try:
         return _train(args, rank, world, backend, tp, block, paths, gcfg)
     finally:
         ps.destroy_model_parallel()
+
+
+def _derive_layout(args: argparse.Namespace, block: dict | None, tp: int) -> None:
+    """An unset --num-distributed-optimizer-instances becomes the number of topology groups with
+    topo-align and the distributed optimizer (megatron/layout.py; logged once on rank 0)."""
+    from ..config import TopoAlignConfig
+    from ..megatron.layout import derive_layout
+
+    derive_layout(args, TopoAlignConfig.from_block(block) if block is not None else None, model_parallel_size=tp)
 
 
 def _train(args, rank, world, backend, tp, block, paths, gcfg) -> dict:
