@@ -1,13 +1,28 @@
 """topo-align: topology-aware gradient reduction for DeepSpeed and Megatron."""
 
+import ast
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def megatron_core_requirement() -> str:
+    """``megatron-core>=LO,<HI`` from `CORE_RANGE` in topo_integrations/megatron/compat.py, the range
+    the adapter's version gate accepts (read as a literal: the package cannot be imported here)."""
+    tree = ast.parse((Path(__file__).parent / "topo_integrations" / "megatron" / "compat.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["CORE_RANGE"]:
+            lo, hi = ast.literal_eval(node.value)
+            return f"megatron-core>={'.'.join(map(str, lo))},<{'.'.join(map(str, hi))}"
+    raise RuntimeError("topo_integrations/megatron/compat.py defines no CORE_RANGE literal")
+
 
 # Ranges users need; the exact versions CI tests are pinned in constraints.txt.
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.17,<0.20"],
     # six and PyYAML: imported at import time by Megatron-LM's training code (pretrain_gpt.py;
     # docs/megatron.md), which users bring; megatron-core itself needs neither.
-    "megatron": ["megatron-core>=0.16,<0.18", "six>=1.16", "PyYAML>=6.0"],
+    "megatron": [megatron_core_requirement(), "six>=1.16", "PyYAML>=6.0"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",

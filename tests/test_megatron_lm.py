@@ -193,4 +193,5 @@ def test_a_megatron_lm_whose_seam_differs_is_refused_at_start(tmp_path):
     assert line.startswith("topo-align: Megatron-LM's megatron.training.training.save_checkpoint(step, model, ")
     assert line.endswith("does not match the signature topo-align was written for (iteration, model, optimizer, "
                          "...), needed for reconciling before a save and saving the plugin state; refusing to "
-                         "patch it. Supported: Megatron-LM tag core_v0.16.1 (megatron-core 0.16.x)")
+                         "patch it; installed megatron-core 0.16.1; supported: Megatron-LM tag core_v0.16.1 "
+                         "(megatron-core >=0.16.1,<0.17.0, tested: 0.16.1)")

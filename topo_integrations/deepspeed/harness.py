@@ -128,10 +128,12 @@ def class_vectors(engine) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """world x numel: every rank's copy of ``t`` (gloo all_gather)."""
+    """world x numel: every rank's copy of ``t``, on the CPU (NCCL gathers from this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
-    return torch.stack(out)
+    return torch.stack(out).cpu()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,7 +151,7 @@ def train(engine, steps: int, *, start: int = 0, check=None) -> list[float]:
         for micro in range(gas):
             x, y = batch(rank, step, micro)
             dtype = next(engine.module.parameters()).dtype
-            loss = engine(x.to(dtype), y.to(dtype))
+            loss = engine(x.to(engine.device, dtype), y.to(engine.device, dtype))
             engine.backward(loss)
             engine.step()
             total += float(loss.detach().float())

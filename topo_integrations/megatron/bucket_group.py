@@ -15,7 +15,7 @@ that padding and must not be used).
 from __future__ import annotations
 
 import torch
-from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
+from megatron.core.distributed import param_and_grad_buffer as _pgb
 
 from ..reducer.classes import LOCAL, SYNC
 from ..reducer.dispatch import Collective, CommBucket, Reduction
@@ -23,6 +23,11 @@ from ..reducer.ranges import Ranges, merge_spans
 from ..reducer.ranges import clip as clip_ranges
 
 __all__ = ["TopoBucketGroup", "Ranges", "class_ranges", "clip_ranges"]
+
+# Looked up, not imported by name: a megatron-core without the private class still imports this
+# module, and `TopoAlignDDP`'s version gate (compat.check_core, run before anything is built) refuses
+# it with a message naming the seam, the installed version and the supported range.
+_BucketGroupBase = getattr(_pgb, "_ParamAndGradBucketGroup", object)
 
 
 def class_ranges(spans: list[tuple[int, int, str]]) -> dict[str, Ranges]:
@@ -32,7 +37,7 @@ def class_ranges(spans: list[tuple[int, int, str]]) -> dict[str, Ranges]:
     return merge_spans(spans, (SYNC, LOCAL))
 
 
-class TopoBucketGroup(_ParamAndGradBucketGroup):
+class TopoBucketGroup(_BucketGroupBase):
     """A Megatron bucket group whose gradient collectives follow the topology.
 
     Instances are Megatron's own bucket groups with their class swapped (`TopoAlignDDP`);
@@ -150,7 +155,7 @@ class TopoBucketGroup(_ParamAndGradBucketGroup):
         e = self.topo_engine
         g = e.groups
         if self.cached_grad_buffer_shard_list[i] is None:
-            self.cached_grad_buffer_shard_list[i] = shard_buffer(bucket.grad_data, g.intra_size)
+            self.cached_grad_buffer_shard_list[i] = _pgb.shard_buffer(bucket.grad_data, g.intra_size)
         shard = self.cached_grad_buffer_shard_list[i][g.intra_rank]
         red = Reduction.MEAN if self._average() else Reduction.SUM
         self._submit((i, "shard-sync" if e.selective else "shard"), bucket.grad_data, SYNC,

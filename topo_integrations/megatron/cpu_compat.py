@@ -224,6 +224,9 @@ def apply() -> bool:
     with _lock:
         if _active:
             return True
+        from .compat import CPU_CORE_SEAMS, check_seams
+
+        check_seams(CPU_CORE_SEAMS)  # the private RNG-tracker names _patch_rng replaces
         _patch_torch_cuda()
         _patch_rng()
         _patch_moe()

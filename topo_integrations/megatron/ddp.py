@@ -39,6 +39,7 @@ from ..reducer.classes import SYNC, layer_indices
 from ..reducer.engine import Engine
 from ..reducer.groups import ReducerGroups
 from .bucket_group import TopoBucketGroup
+from .compat import CORE_BUILT, check_built, check_core
 from .groups import GroupSet, LayoutError, groups_for_dp_group
 from .layers import global_layer_index
 from .layout import instances_refusal
@@ -109,15 +110,17 @@ class TopoAlignDDP(DistributedDataParallel):
 
     def __init__(self, config, ddp_config, module, disable_bucketing: bool = False, pg_collection=None, *,
                  topo_align: TopoAlignConfig | None = None, topo_groups: GroupSet | None = None):
+        cfg, source = topo_config_of(ddp_config, topo_align)
+        if cfg is not None and cfg.enabled and cfg.mode != "flat":
+            check_core()  # the version gate, before Megatron builds what the adapter would then patch
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing, pg_collection=pg_collection)
-        self.topo_config, source = topo_config_of(ddp_config, topo_align)
+        self.topo_config = cfg
         self.topo_active = False
         self.topo_reason = "no topo_align config"
         self.topo_groups: ReducerGroups | None = None
         self.topo_expert_groups: ReducerGroups | None = None
         self.topo_slots: list[_EngineSlot] = []
         self._topo_capture: LossCapture | None = None
-        cfg = self.topo_config
         if cfg is None:
             return
         if not cfg.enabled or cfg.mode == "flat":
@@ -133,6 +136,7 @@ class TopoAlignDDP(DistributedDataParallel):
                                                                False)))
         check_megatron_settings(cfg, side)
         check_config(cfg, side)
+        self._topo_check_built()
         self.topo_group_set = topo_groups or getattr(ddp_config, "topo_align_groups", None) or GroupSet()
         if hasattr(ddp_config, "topo_align_groups"):
             ddp_config.topo_align_groups = self.topo_group_set  # the next chunk built from this config reuses it
@@ -180,6 +184,17 @@ class TopoAlignDDP(DistributedDataParallel):
         log.info("topo_align: TopoAlignDDP active, %s", self.topo_reason)
 
     # -- set-up helpers ----------------------------------------------------------------------------
+
+    def _topo_check_built(self) -> None:
+        """The version gate's second half: attributes megatron-core sets in ``__init__`` (invisible
+        to `check_core`), on what Megatron just built, before any class is swapped."""
+        check_built(self, CORE_BUILT["ddp"])
+        for buf in self.buffers + self.expert_parallel_buffers:
+            check_built(buf, CORE_BUILT["buffer"])
+            for bucket in buf.buckets:
+                check_built(bucket, CORE_BUILT["bucket"])
+        for bg in self.bucket_groups + self.expert_parallel_bucket_groups:
+            check_built(bg, CORE_BUILT["bucket_group"])
 
     def _topo_check_instances(self, groups: ReducerGroups, instance_group, kind: str) -> None:
         """The distributed optimizer shards over Megatron's instance groups: they must be our islands."""

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from ..reducer.engine import ReconcileItem
+from .compat import OPTIMIZER_BUILT, check_built
 
 __all__ = ["prepare_optimizer", "prepare_checkpoint", "MegatronReconcileSource", "sub_optimizers",
-           "make_grad_stats_global"]
+           "make_grad_stats_global", "check_optimizer"]
 
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
 
@@ -42,6 +43,21 @@ def is_distopt(sub) -> bool:
 def sub_optimizers(optimizer) -> list:
     """The Megatron optimizers inside ``optimizer`` (a ChainedOptimizer holds dense + expert ones)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def check_optimizer(optimizer) -> None:
+    """The version gate on a built Megatron optimizer (compat.OPTIMIZER_BUILT): every attribute this
+    module reads exists, so a renamed one is refused at start instead of e.g. `main_param_pairs`
+    silently taking another branch."""
+    if "ChainedOptimizer" in {c.__name__ for c in type(optimizer).__mro__}:
+        check_built(optimizer, OPTIMIZER_BUILT["ChainedOptimizer"])
+    for sub in sub_optimizers(optimizer):
+        check_built(sub, OPTIMIZER_BUILT["MegatronOptimizer"])
+        check_built(sub.config, OPTIMIZER_BUILT["OptimizerConfig"])
+        kinds = {c.__name__ for c in type(sub).__mro__}
+        for kind in ("DistributedOptimizer", "Float16OptimizerWithFloat16Params"):
+            if kind in kinds:
+                check_built(sub, OPTIMIZER_BUILT[kind])
 
 
 def main_param_pairs(sub) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -145,6 +161,7 @@ def prepare_optimizer(optimizer, model_chunks) -> Any:
     chunks = [m for m in _chunks(model_chunks) if isinstance(m, TopoAlignDDP) and m.topo_active]
     if not chunks or getattr(optimizer, "_topo_prepared", False):
         return optimizer
+    check_optimizer(optimizer)
     if any(m.topo_config.mode == "selective" for m in chunks):
         make_grad_stats_global(optimizer, chunks[0].topo_engines[0])
     original_step = optimizer.step

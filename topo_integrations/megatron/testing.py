@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .cpu_compat import cuda_available
+
 __all__ = ["TinyGPT", "init_parallel", "build_gpt", "wrap_ddp", "make_optimizer", "run_iteration", "batch_for"]
 
 
@@ -87,6 +89,8 @@ def build_gpt(spec: TinyGPT):
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(cfg, model)
+    if cuda_available():
+        model.cuda(torch.cuda.current_device())  # as Megatron-LM's get_model (scripts/gpu_check.py runs this)
     return model, cfg
 
 
@@ -140,8 +144,9 @@ def run_iteration(ddp, spec: TinyGPT, rank: int, step: int, optimizer=None, befo
     ddp.zero_grad_buffer()
     if optimizer is not None:
         optimizer.zero_grad()
-    batches = iter([batch_for(spec, rank, step, mb) for mb in range(spec.num_microbatches)])
-    pos = torch.arange(spec.seq_length).unsqueeze(0).expand(spec.micro_batch_size, spec.seq_length)
+    device = next(ddp.module.parameters()).device  # CPU, or the GPU build_gpt put the model on
+    batches = iter([batch_for(spec, rank, step, mb).to(device) for mb in range(spec.num_microbatches)])
+    pos = torch.arange(spec.seq_length, device=device).unsqueeze(0).expand(spec.micro_batch_size, spec.seq_length)
 
     def forward_step(data_iterator, model):
         toks = next(data_iterator)
