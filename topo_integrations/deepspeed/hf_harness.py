@@ -25,7 +25,7 @@ SEQ = 16
 
 
 def tiny_causal_lm(seed: int = 0, layers: int = 4):
-    """A Llama-architecture causal LM of ~60k parameters, from a config (nothing downloaded). Its
+    """A Llama-architecture causal LM of 45k parameters, from a config (nothing downloaded). Its
     names (``model.layers.N``, ``lm_head``) are those the default ``sync`` patterns expect."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
