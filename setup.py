@@ -33,6 +33,9 @@ EXTRAS = {
         "scikit-learn>=1.4",
     ],
     "plot": ["matplotlib>=3.8"],
+    # Hugging Face Trainer / Accelerate on DeepSpeed with a "topo_align" block (docs/deepspeed.md);
+    # the versions the suite tests are pinned in constraints.txt.
+    "hf": ["transformers>=5.23,<6", "accelerate>=1.15,<2"],
     # The pretraining scripts' TensorBoard event files (topo_integrations/train/metrics.py).
     "train": ["tensorboard>=2.14"],
 }
