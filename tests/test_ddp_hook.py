@@ -119,11 +119,14 @@ def _grouped_clip(model, red, max_norm):
 
 def s_selective(rank, groups):
     """selective: the hook and GroupedReducer give the same parameters step by step (async
-    reconciliation, bf16 LOCAL wire, class refresh at step 4, clipping on the agreed norm, a state
-    round trip in flight); the invariants hold on every step."""
+    reconciliation, fp32 LOCAL wire, bf16 moment wire, class refresh at step 4, clipping on the
+    agreed norm, a state round trip in flight); the invariants hold on every step."""
     from topo_integrations.torch import ConsistencyError, GroupedReducer, TopoAlignHookState, topo_align_hook
 
-    cfg = cfg_of("selective")
+    # fp32 LOCAL wire: a 16-bit one rounds each sum once, by the chunk's owner, with error feedback
+    # there (lossy_wire.py); the owner of an element follows the bucket layout, which is DDP's here
+    # and GroupedReducer's there, so their rounding histories differ by design (as for SYNC, above).
+    cfg = cfg_of("selective", dtype="fp32")
     model = make()
     red = GroupedReducer(model, cfg, groups=groups)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)

@@ -1,5 +1,6 @@
 """The reducer on 8 gloo ranks (one world for the module): groups of 2 (4 nodes) and of 4 (2 nodes),
-an unequal layout refused, and a short selective run checking invariant 1 on every step."""
+8 islands of one rank (a bf16 rail of 8: one rounding per sender and one of the sum), an unequal
+layout refused, and a short selective run checking invariant 1 on every step."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def _rank_main(rank, world):
         red.close()
         dist.barrier()
     res["leaf3"] = _three_level(rank, world)
+    res["islands8"] = _eight_islands(rank, world)
     os.environ[HOSTNAME_ENV] = UNEQUAL[rank]
     try:
         discover_plan(cfg)
@@ -84,6 +86,49 @@ def _three_level(rank, world):
     red.close()
     dist.barrier()
     return out
+
+
+ISLANDS8_N = 4096
+
+
+def _eight_islands(rank, world):
+    """8 islands of one rank: the bf16 SYNC hop is a rail of 8 (invariant 6 of docs/design.md section 4).
+    Every rank draws every rank's gradient, so each can compute the exact mean and the bound."""
+    import dataclasses
+
+    from topo_integrations.reducer import build_groups
+    from topo_integrations.reducer.collectives import hierarchical_all_reduce, residual_numel
+    from topo_integrations.reducer.groups import gather_hostnames_topology
+
+    # The planner falls back to `flat` for islands of one rank (nothing to reduce inside them);
+    # forcing the two-level plan makes the rail all 8 ranks, the most islands 8 ranks can give.
+    plan = plan_groups(gather_hostnames_topology([f"node{r}" for r in range(world)]))
+    plan = dataclasses.replace(plan, hierarchical=True, intra_groups=tuple((r,) for r in range(world)),
+                               inter_groups=(tuple(range(world)),))
+    g = build_groups(plan, timeout_s=60)
+    # Mean-zero values over three decades: the partial sums of a ring are larger than the result,
+    # so rounding them costs more than rounding the result once.
+    xs = [torch.randn(ISLANDS8_N, generator=torch.Generator().manual_seed(31_000 + r))
+          * torch.logspace(-3, 0, ISLANDS8_N) for r in range(world)]
+    res = torch.zeros(residual_numel(ISLANDS8_N, g, torch.bfloat16))
+    y = hierarchical_all_reduce(xs[rank].clone(), g, inter_dtype=torch.bfloat16, residual=res)
+    old = xs[rank].to(torch.bfloat16)  # the scheme before issue 31: one all-reduce in bf16
+    dist.all_reduce(old, group=g.inter)
+    return {"L": g.intra_size, "K": g.inter_size, "y": y, "old": old.float() / world,
+            "same": same_on(list(range(world)), y)}
+
+
+def single_rounding_bound(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact mean of ``xs`` and, per element, the error of a bf16 hop that rounds each sender's
+    value once (q_r = bf16(x_r)), sums in fp32 and rounds the sum once:
+    |result - mean| <= (|sum_r (q_r - x_r)| + 2^-8 |sum_r q_r| + 2^-20 sum_r |q_r|) / n,
+    where 2^-8 is bf16's unit roundoff and 2^-20 > (n - 1) 2^-24 (1 + 2^-8) covers the fp32 sum of
+    n <= 16 values."""
+    x = torch.stack([t.double() for t in xs])
+    q = torch.stack([t.to(torch.bfloat16).double() for t in xs])
+    n = len(xs)
+    bound = ((q - x).sum(0).abs() + 2.0 ** -8 * q.sum(0).abs() + 2.0 ** -20 * q.abs().sum(0)) / n
+    return x.mean(0), bound
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +180,22 @@ def test_three_level_reduction_exact_and_bytes_per_tier(world8):
         assert c["bytes"] == {"intra": 2 * 4 * n, "leaf": 2 * 4 * n // L, "inter": 4 * n // (L * M)}
         assert c["sel_all_same_after_reconcile"]
         assert c["sel_bytes"]["leaf"]["sync"] > 0 and c["sel_bytes"]["inter"]["reconcile"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_bf16_sync_at_8_islands_rounds_once(world8):
+    """At 8 islands the bf16 SYNC hop is within the single-rounding bound of the exact mean, on every
+    element, bitwise the same on every rank; the bf16 all-reduce it replaced is not (its partial sums
+    round at every hop), so the check can fail."""
+    world = len(world8)
+    xs = [torch.randn(ISLANDS8_N, generator=torch.Generator().manual_seed(31_000 + r))
+          * torch.logspace(-3, 0, ISLANDS8_N) for r in range(world)]
+    exact, bound = single_rounding_bound(xs)
+    for res in world8:
+        r = res["islands8"]
+        assert (r["L"], r["K"]) == (1, 8) and r["same"]
+        assert torch.equal(r["y"], world8[0]["islands8"]["y"])
+        over = (r["y"].double() - exact).abs() > bound
+        assert not bool(over.any()), f"{int(over.sum())} elements beyond one rounding per sender and of the sum"
+        old_over = int(((r["old"].double() - exact).abs() > bound).sum())
+        assert old_over > 0, "the bf16 all-reduce met the bound too: the data does not test the sum's rounding"

@@ -373,7 +373,7 @@ def test_levels_switch_consistently_and_keep_invariants(world):
         for e in x["errs"]:
             if x["mode"] == "flat":  # every gradient is the global mean
                 assert max(e.values()) <= 1e-6, e
-            elif x["level"] == "fp16":  # SYNC through the FP16 grid: close to the mean
+            elif x["level"] == "fp16":  # SYNC on the FP16 wire: close to the mean
                 assert max(e[n] for n in sync) <= 2e-2, e
             else:  # fp32 SYNC wire: exact up to rounding
                 assert max(e[n] for n in sync) <= 1e-6, e

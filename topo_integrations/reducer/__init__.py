@@ -7,7 +7,8 @@ Layers, bottom up:
   collectives.py  flat / hierarchical / intra / reconcile collectives on flat tensors (each one
                   completion-timed, error-named, fingerprinted with monitor.check_collectives)
   order.py        collective fingerprints and their cross-rank comparison (CollectiveOrderError)
-  compression.py  wire dtypes, FP16 integer grid, error feedback
+  compression.py  wire dtypes, the FP16 scale, error feedback
+  lossy_wire.py   lossy hops: all-to-all, fp32 sum by the chunk's owner, all-gather (no 16/8-bit sums)
   classes.py      SYNC / LOCAL classes (last N layers, always_sync, importance top fraction)
   importance.py   fisher / magnitude / hutchinson scores
   drift.py        drift of LOCAL replicas at reconciliation, promotion to SYNC

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from .compression import choose_scale, int8_residual_numel, is_lossy, needs_scale, quantize, uses_grid
+from .compression import hop_residual_numel, is_lossy, is_narrow
 from .compression import wire_dtype as _as_dtype
 
 if TYPE_CHECKING:  # groups.py imports this module (bounded)
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # groups.py imports this module (bounded)
 
 __all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
            "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device",
-           "rail_all_reduce", "rail_numel", "residual_numel", "rail_reduce_scatter", "bounded"]
+           "rail_all_reduce", "rail_numel", "residual_numel", "hop_residual_numel", "rail_reduce_scatter", "bounded"]
 
 Record = Callable[[str, int, float], None] | None
 
@@ -52,19 +52,26 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, *, group) -> None:
 
     Gloo's reduce-scatter puts the bytes of a full all-reduce on the wire (2(n-1)/n of ``inp`` per
     rank, measured in docs/benchmarks.md), twice what a ring reduce-scatter needs, which would make
-    the hierarchical schedule cross the slow tier with more bytes than the flat one. On gloo:
+    the hierarchical schedule cross the slow tier with more bytes than the flat one; and any native
+    reduce-scatter of a 16-bit input rounds its partial sums at every hop. So on gloo, and for a
+    16-bit input on every backend:
       1. all-to-all: chunk j of my input goes to member j ((n-1)/n of ``inp`` per rank, the ring's
          reduce-scatter volume);
-      2. sum the n received chunks locally, in member order (the same order on every rank).
-    Every other backend (NCCL) keeps its native reduce-scatter.
+      2. sum the n received chunks locally, in member order (the same order on every rank), in fp32
+         for a 16-bit input (rounded once, into ``out``'s dtype).
+    NCCL keeps its native reduce-scatter for fp32 and fp64 inputs.
     """
-    if dist.get_backend(group) != "gloo":
+    narrow = is_narrow(inp.dtype)
+    if dist.get_backend(group) != "gloo" and not narrow:
         _reduce_scatter_native(out, inp, group=group)
         return
     n = dist.get_world_size(group)
     recv = torch.empty_like(inp)
     dist.all_to_all_single(recv, inp, group=group)
-    torch.sum(recv.view(n, -1), dim=0, out=out.view(-1))
+    if narrow:
+        out.view(-1).copy_(recv.view(n, -1).float().sum(dim=0))
+    else:
+        torch.sum(recv.view(n, -1), dim=0, out=out.view(-1))
 
 
 def padded_numel(n: int, k: int) -> int:
@@ -173,11 +180,14 @@ def flat_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, average: bool = T
                     record: Record = None) -> torch.Tensor:
     """One all-reduce over the whole data-parallel group (the fallback; what the frameworks do).
 
-    Phases: 1. all-reduce SUM over ``groups.dp_group``; 2. divide by the group size when averaging.
+    Phases: 1. all-reduce SUM over ``groups.dp_group`` (a 16-bit ``t``: `hop`'s all-to-all, fp32 sum,
+    all-gather); 2. divide by the group size when averaging.
     """
     _check(t, "flat_all_reduce", groups)
     n = groups.dp_size
-    if n > 1:
+    if n > 1 and is_narrow(t.dtype):
+        hop(t.view(-1), t.dtype, None, groups.dp_group, "dp", groups, record, n)
+    elif n > 1:
         run("all_reduce", "dp", groups.dp_group, groups, t.numel() * t.element_size(), record,
             lambda: dist.all_reduce(t, group=groups.dp_group), like=t)
     if average and n > 1:
@@ -185,61 +195,32 @@ def flat_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, average: bool = T
     return t
 
 
-def _lossy_all_reduce(v: torch.Tensor, wire: torch.dtype, residual, group, tier: str, groups, record,
-                      n_contrib: int) -> torch.Tensor:
-    """SUM over ``group`` of ``v`` sent as ``wire`` (FP16 grid or cast; error feedback into residual).
-
-    Phases: 1. (FP16 only) MAX all-reduce of amax(v) -> common power-of-two scale;
-            2. all-reduce SUM of the quantised values in the wire dtype.
-    Returns the sum in v's dtype. See compression.py for why the FP16 sums are exact.
-    """
-    scale = None
-    if needs_scale(wire):
-        amax = v.abs().max().reshape(1).float() if v.numel() else torch.zeros(1, device=v.device)
-        run("all_reduce(MAX amax)", tier, group, groups, 4, record,
-             lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group), like=amax)
-        scale = choose_scale(amax, wire, n_contrib)
-    q = quantize(v, wire, scale, residual, grid=uses_grid(wire, n_contrib))
-    run("all_reduce", tier, group, groups, q.numel() * q.element_size(), record,
-         lambda: dist.all_reduce(q, group=group), like=q)
-    out = q.to(v.dtype)
-    return out / scale if scale is not None else out
-
-
-def _hop_residual_numel(m: int, n: int, wire: torch.dtype) -> int:
-    """Residual elements of one `hop` of ``m`` elements over ``n`` members in ``wire``."""
-    return int8_residual_numel(m, n) if wire == torch.int8 else m
-
-
 def residual_numel(numel: int, groups: ReducerGroups, wire: torch.dtype) -> int:
     """Elements of the error-feedback residual of a rail hop that sends ``numel`` elements in ``wire``."""
     n = groups.spine_rail_size if groups.three_level else groups.inter_size
-    return _hop_residual_numel(rail_numel(numel, groups), n, wire)
+    return hop_residual_numel(rail_numel(numel, groups), n, wire)
 
 
 def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, record, n_contrib) -> torch.Tensor:
-    """All-reduce SUM of ``x`` over ``group`` with wire dtype ``wire``; writes and returns ``x``."""
+    """All-reduce SUM of ``x`` over ``group`` with wire dtype ``wire``; writes and returns ``x``.
+
+    A 16- or 8-bit wire never sums in that dtype: lossy_wire.py's all-to-all, fp32 sum by the
+    chunk's owner, all-gather of the sum rounded once (error feedback into ``residual``,
+    `hop_residual_numel` elements). A wide wire: one native all-reduce (a 16-bit ``x`` is widened
+    first, exactly).
+    """
     if n_contrib <= 1:
         return x
-    if wire == torch.int8:
-        from .int8_wire import int8_all_reduce  # that module builds on this one's run()
+    if is_narrow(wire):
+        from .lossy_wire import lossy_all_reduce  # that module builds on this one's run()
 
-        x.copy_(int8_all_reduce(x, residual, group, tier, groups, record, n_contrib).view_as(x))
+        x.copy_(lossy_all_reduce(x, wire, residual, group, tier, groups, record, n_contrib).view_as(x))
         return x
-    if wire == x.dtype:
-        run("all_reduce", tier, group, groups, x.numel() * x.element_size(), record,
-             lambda: dist.all_reduce(x, group=group), like=x)
-        return x
-    if not is_lossy(x.dtype, wire):  # widening (bf16 -> fp32): exact cast, no feedback needed
-        w = x.to(wire)
-        run("all_reduce", tier, group, groups, w.numel() * w.element_size(), record,
-             lambda: dist.all_reduce(w, group=group), like=w)
+    w = x if wire == x.dtype else x.to(wire)  # widening (bf16 -> fp32): exact, no feedback needed
+    run("all_reduce", tier, group, groups, w.numel() * w.element_size(), record,
+        lambda: dist.all_reduce(w, group=group), like=w)
+    if w is not x:
         x.copy_(w)
-        return x
-    v = x.float()
-    if residual is not None:
-        v = v + residual
-    x.copy_(_lossy_all_reduce(v, wire, residual, group, tier, groups, record, n_contrib))
     return x
 
 
@@ -254,11 +235,11 @@ def rail_all_reduce(x: torch.Tensor, groups: ReducerGroups, *, wire: torch.dtype
                     record: Record = None) -> torch.Tensor:
     """SUM of ``x`` over my rail (the same chunk of every island), in place; ``x`` flat, contiguous.
 
-    Two levels (the plan's rails): one all-reduce over the rail in ``wire`` (lossy: FP16 grid /
-    cast with error feedback into ``residual``, shape ``x``).
+    Two levels (the plan's rails): one `hop` over the rail in ``wire`` (lossy: all-to-all, fp32 sum
+    by the owner, all-gather; error feedback into ``residual``, `residual_numel` elements).
     Three levels (``topology.middle_level``, `ReducerGroups.three_level`):
       1. reduce-scatter SUM over my leaf rail (M members, fp32, fast leaf tier): chunk ``ceil(n/M)``;
-      2. all-reduce SUM of the chunk over my spine rail in ``wire`` (residual: the chunk's shape);
+      2. `hop` of the chunk over my spine rail in ``wire`` (residual: `hop_residual_numel` of the chunk);
       3. all-gather of the chunks over the leaf rail.
     The spine then carries 1/M of what one rail all-reduce would.
     """
@@ -272,7 +253,7 @@ def rail_all_reduce(x: torch.Tensor, groups: ReducerGroups, *, wire: torch.dtype
     sub = torch.empty(buf.numel() // M, dtype=buf.dtype, device=buf.device)
     run("reduce_scatter", "leaf", leaf, groups, buf.numel() * buf.element_size(), record,
         lambda: _reduce_scatter(sub, buf, group=leaf), like=buf)
-    want = _hop_residual_numel(sub.numel(), groups.spine_rail_size, wire)
+    want = hop_residual_numel(sub.numel(), groups.spine_rail_size, wire)
     if residual is not None and residual.numel() != want:
         raise ValueError(f"topo_align: residual has {residual.numel()} elements; the spine chunk needs {want}")
     hop(sub, wire, residual, spine, "inter", groups, record, groups.spine_rail_size)
@@ -310,8 +291,9 @@ def hierarchical_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, inter_dty
     Phases:
       1. reduce-scatter SUM inside the intra group (``t`` padded to a multiple of L = intra size);
       2. all-reduce SUM of my shard over the inter group (the rail) in ``inter_dtype``; when that
-         is lossy, FP16-safe scaling and error feedback into ``residual`` (fp32, ``residual_numel`` of
-         the shard); with ``topology.middle_level`` this is `rail_all_reduce`'s leaf reduce-scatter,
+         is 16- or 8-bit, all-to-all, fp32 sum by the owner, all-gather (`hop`), error feedback into
+         ``residual`` (fp32, ``residual_numel`` of the shard); with ``topology.middle_level`` this
+         is `rail_all_reduce`'s leaf reduce-scatter,
          spine all-reduce and leaf all-gather;
       3. divide the shard by L*K when averaging; all-gather the shards inside the intra group.
     Works for any float dtype; ``t`` must be contiguous.
@@ -346,9 +328,9 @@ def intra_all_reduce(t: torch.Tensor, groups: ReducerGroups, *, wire_dtype: torc
                      record: Record = None) -> torch.Tensor:
     """All-reduce inside my intra group only (the LOCAL class).
 
-    Phases: 1. (FP16 wire) MAX all-reduce of amax for a common scale; 2. all-reduce SUM in
-    ``wire_dtype`` (error feedback into ``residual``, same shape as ``t``, when lossy);
-    3. divide by L when averaging.
+    Phases: 1. `hop` SUM over the group in ``wire_dtype`` (lossy: (FP16) MAX all-reduce of amax for
+    a common scale, all-to-all, fp32 sum by the owner, all-gather; error feedback into ``residual``,
+    `hop_residual_numel` elements); 2. divide by L when averaging.
     """
     _check(t, "intra_all_reduce", groups)
     wire = _as_dtype(wire_dtype)
@@ -416,8 +398,9 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
     (K-1)/K of ``x`` instead of an all-reduce's 2(K-1)/K.
 
     Phases: 1. (FP16 wire) MAX all-reduce of amax over the rail for a common scale; 2. quantise
-    (error feedback into ``residual``, shape ``x``) and reduce-scatter in ``wire``; 3. back to
-    ``out``'s dtype. Always over the two-level rail (also with ``middle_level``).
+    (error feedback into ``residual``, shape ``x``); 3. all-to-all in ``wire`` and an fp32 sum of my
+    chunk (lossy_wire.py), rounded at most once, into ``out``'s dtype. Always over the two-level
+    rail (also with ``middle_level``).
     """
     _check(x, "rail_reduce_scatter", groups)
     check_device(out, groups, "rail_reduce_scatter")
@@ -432,29 +415,16 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
         # Only `selective` sends SYNC on int8, and DeepSpeed's adapter refuses selective at ZeRO-3.
         raise ValueError("topo_align: rail_reduce_scatter has no int8 wire (ZeRO-3 runs 'hierarchical', whose "
                          "wire is communication.inter_dtype: fp32, bf16 or fp16)")
-    if wire == x.dtype or not is_lossy(x.dtype, wire):
-        w = x if wire == x.dtype else x.to(wire)
-        o = out if out.dtype == wire else torch.empty(out.numel(), dtype=wire, device=out.device)
-        run("reduce_scatter", "inter", rail, groups, w.numel() * w.element_size(), record,
-            lambda: _reduce_scatter(o, w, group=rail), like=w)
-        if o is not out:
-            out.copy_(o)
-        return out
-    v = x.reshape(-1).float()
-    if residual is not None:
-        v = v + residual
-    scale = None
-    if needs_scale(wire):
-        amax = v.abs().max().reshape(1) if v.numel() else torch.zeros(1, device=v.device)
-        run("all_reduce(MAX amax)", "inter", rail, groups, 4, record,
-            lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=rail), like=amax)
-        scale = choose_scale(amax, wire, K)
-    q = quantize(v, wire, scale, residual, grid=uses_grid(wire, K))
-    o = torch.empty(out.numel(), dtype=wire, device=out.device)
-    run("reduce_scatter", "inter", rail, groups, q.numel() * q.element_size(), record,
-        lambda: _reduce_scatter(o, q, group=rail), like=q)
-    back = o.float()
-    out.copy_(back / scale if scale is not None else back)
+    if is_narrow(wire) and is_lossy(x.dtype, wire):
+        from .lossy_wire import lossy_reduce_scatter  # that module builds on this one's run()
+
+        return lossy_reduce_scatter(out, x, wire, residual, rail, groups, record, K)
+    w = x if wire == x.dtype else x.to(wire)
+    o = out if out.dtype == wire or is_narrow(wire) else torch.empty(out.numel(), dtype=wire, device=out.device)
+    run("reduce_scatter", "inter", rail, groups, w.numel() * w.element_size(), record,
+        lambda: _reduce_scatter(o, w, group=rail), like=w)
+    if o is not out:
+        out.copy_(o)
     return out
 
 

@@ -1,29 +1,25 @@
-"""Wire dtypes for lossy hops: FP16 block fixed point (exact sums, cannot overflow) and error feedback.
+"""Wire dtypes for lossy hops: what a member sends (FP16 scaled, BF16, INT8 blocks) and error feedback.
 
-FP16 wire. Each member of the group sends ``q = round(v * s)`` as FP16, where ``v = x + residual`` and
-``s`` is a power of two agreed by the whole group (one 4-byte MAX all-reduce of ``amax(v)``) such that
-``|q| <= (2048 - n) / n`` for ``n`` contributors. Every ``q`` is then an integer of at most 11 bits,
-so every partial sum the all-reduce forms is an integer of magnitude <= 2048 and is exactly
-representable in FP16: the sum on the wire is exact and can never overflow (65504 is far away).
-The only error is the rounding of ``v * s`` to an integer, and error feedback keeps it:
-``residual = v - q / s`` is added to the next step's value, so the error of a sum of T steps is
-one step's rounding, not T of them. With plain FP16 casts the rounding of the in-flight sums (which
-error feedback cannot see) would dominate; the grid removes it.
+Every lossy hop rounds only what a member sends; the sums are formed in fp32 by the owner of each
+chunk (an all-to-all, a local fp32 sum, an all-gather of the sum rounded once: lossy_wire.py), never
+in the wire dtype. Error feedback keeps both roundings: ``residual = v - sent`` (the sender's, added to
+the next step's value) and, with the chunk's owner, that of the sum; so the error of a sum of T steps
+is one step's rounding, not T of them.
 
-The price: the grid step is ``1/s < 2 n amax / (2048 - n)``, so a contribution's error is up to about
-``n * amax / 2048`` of the bucket (absolute, not relative to each element); error feedback repays it on
-later steps. Beyond 1024 contributors the grid is too
-coarse and the hop falls back to a scaled FP16 cast (sums then round; still no overflow).
+FP16 wire. FP16's range (65504) is the one a gradient sum can exceed, so the group agrees on a power
+of two ``s`` (one 4-byte MAX all-reduce of ``amax(v)``) with ``n * amax * s <= 65504 / 2``: no value
+and no sum of ``n`` of them overflows, and every value keeps FP16's 11 significant bits (relative
+error 2^-11 down to ``n * amax * 2^-29``, where fp16 turns subnormal). (Before issue 31 the sums
+were formed in FP16 by the all-reduce, and an integer grid made them exact at an absolute error of
+``n * amax / 2048`` per value; with fp32 sums the grid is not needed and the scaled cast is finer for
+every value below ``amax``.)
+Non-finite values are sent unscaled so that an overflow still reaches the framework's overflow check.
 
-BF16 wire. BF16 has FP32's range, so no scaling: a plain cast with error feedback on the cast (the
-in-flight BF16 sums round).
+BF16 wire. BF16 has FP32's range, so no scaling: a plain cast (relative error 2^-8 per rounding).
 
 INT8 wire (`local.reconcile_dtype: int8` deltas, `sync.dtype: int8` gradients). One fp32 scale per block of
 ``INT8_BLOCK`` elements (``amax / 127``), values rounded to int8: a block's error is at most half a
-step of its own largest element, so one large delta does not coarsen the rest of the bucket. Sums are
-not formed on the wire (an int8 sum overflows): the collective is an all-to-all of the quantised
-blocks, a local fp32 sum, and an all-gather of the re-quantised sums (int8_wire.py). Error feedback
-keeps both roundings: the sender's and, with the chunk's owner, that of the sum.
+step of its own largest element, so one large delta does not coarsen the rest of the bucket.
 
 All tensor arithmetic: no host synchronisation (on CUDA the scale stays on the device).
 """
@@ -32,14 +28,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPE_BY_NAME", "INT8_BLOCK", "wire_dtype", "is_lossy", "uses_grid", "choose_scale", "quantize",
-           "int8_residual_numel", "quantize_blocks", "dequantize_blocks"]
+__all__ = ["DTYPE_BY_NAME", "INT8_BLOCK", "wire_dtype", "is_lossy", "is_narrow", "choose_scale", "quantize",
+           "owner_unit", "owner_residual_numel", "hop_residual_numel",
+           "fold_owner_residual", "quantize_blocks", "dequantize_blocks"]
 
 DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 INT8_BLOCK = 256
 """Elements per fp32 scale on the int8 wire (the scales add 4/256 = 1.6 % to the bytes)."""
-_GRID_LIMIT = 2048  # integers up to 2^11 are exact in FP16 (11 significant bits)
-_MAX_GRID_CONTRIB = 1024
 
 
 def wire_dtype(name_or_dtype) -> torch.dtype:
@@ -67,23 +62,20 @@ def needs_scale(wire: torch.dtype) -> bool:
     return torch.finfo(wire).max < 1e6
 
 
-def uses_grid(wire: torch.dtype, n_contrib: int) -> bool:
-    """Whether the FP16 integer grid (exact sums) is used for ``n_contrib`` contributors."""
-    return wire == torch.float16 and n_contrib <= _MAX_GRID_CONTRIB
+def is_narrow(dtype: torch.dtype) -> bool:
+    """A dtype in which no sum is formed (16 or 8 bits: every partial sum would round again)."""
+    return dtype.itemsize < 4
 
 
 def choose_scale(amax: torch.Tensor, wire: torch.dtype, n_contrib: int) -> torch.Tensor:
-    """Power of two ``s`` with ``amax * s <= target``; 1 when amax is 0 or not finite.
+    """Power of two ``s`` with ``n * amax * s <= max(wire) / 2``; 1 when amax is 0 or not finite.
 
-    target = (2048 - n) / n on the FP16 grid (so that n rounded values sum to <= 2048), else
-    max(wire) / (2 n). Non-finite values are sent unscaled so that an overflow still shows up as
-    inf/nan downstream (the framework's overflow check then skips the step on every rank).
+    The sum of ``n`` scaled values (formed in fp32, rounded once to the wire) then stays inside the
+    wire's range with a factor 2 to spare for the error-feedback residual. Non-finite values are sent
+    unscaled so that an overflow still shows up as inf/nan downstream (the framework's overflow check
+    then skips the step on every rank).
     """
-    n = max(1, n_contrib)
-    if uses_grid(wire, n):
-        target = (_GRID_LIMIT - n) / n
-    else:
-        target = torch.finfo(wire).max / (2.0 * n)
+    target = torch.finfo(wire).max / (2.0 * max(1, n_contrib))
     a = amax.float()
     ok = torch.isfinite(a) & (a > 0)
     safe = torch.where(ok, a, torch.ones_like(a))
@@ -92,16 +84,13 @@ def choose_scale(amax: torch.Tensor, wire: torch.dtype, n_contrib: int) -> torch
 
 
 def quantize(v: torch.Tensor, wire: torch.dtype, scale: torch.Tensor | None,
-             residual: torch.Tensor | None, *, grid: bool = False) -> torch.Tensor:
-    """``wire(round(v * scale))`` (grid) or ``wire(v * scale)``; the error, in v's units, goes to ``residual``.
+             residual: torch.Tensor | None) -> torch.Tensor:
+    """``wire(v * scale)``; the error, in v's units, goes to ``residual``.
 
     ``v`` already includes the previous residual. A non-finite error is not carried over (it would
     poison every later step); the overflow itself reaches the caller through the sent values.
     """
-    scaled = v * scale if scale is not None else v
-    if grid:
-        scaled = torch.round(scaled)
-    q = scaled.to(wire)
+    q = (v * scale if scale is not None else v).to(wire)
     if residual is not None:
         back = q.to(v.dtype)
         if scale is not None:
@@ -111,13 +100,34 @@ def quantize(v: torch.Tensor, wire: torch.dtype, scale: torch.Tensor | None,
     return q
 
 
-def int8_residual_numel(m: int, n: int) -> int:
-    """Elements of an int8 hop's error-feedback residual for an ``m``-element payload over ``n``
-    members: the payload padded to whole blocks per member (first rounding), then my chunk of the sum
-    (second rounding, kept by its owner)."""
-    unit = max(1, n) * INT8_BLOCK
-    p = -(-m // unit) * unit
+def owner_unit(wire: torch.dtype) -> int:
+    """Elements per quantisation unit of ``wire``: an int8 block, or one element of a 16-bit cast."""
+    return INT8_BLOCK if wire == torch.int8 else 1
+
+
+def owner_residual_numel(m: int, n: int, unit: int = 1) -> int:
+    """Elements of a lossy hop's error-feedback residual for an ``m``-element payload over ``n``
+    members (lossy_wire.py): the payload padded to ``n`` whole units of ``unit`` elements (the
+    sender's rounding), then my chunk of the sum (its rounding, kept by its owner)."""
+    k = max(1, n) * unit
+    p = -(-m // k) * k
     return p + p // max(1, n)
+
+
+def hop_residual_numel(m: int, n: int, wire: torch.dtype) -> int:
+    """Residual elements of one hop of ``m`` elements over ``n`` members in ``wire``: the sender's
+    part (padded) and the owner's chunk of the sum (lossy_wire.py); ``m`` for a wide wire."""
+    return owner_residual_numel(m, n, owner_unit(wire)) if is_narrow(wire) else m
+
+
+def fold_owner_residual(residual: torch.Tensor, m: int, n: int, rank: int) -> torch.Tensor:
+    """The per-element form of a 16-bit hop's residual (``m`` elements over ``n`` members, I am
+    member ``rank``): its first part, plus my chunk's rounding of the sum where I own it. Sent on the
+    next step it repays the same amounts whoever owns the elements then (a re-laid-out bucket)."""
+    p = residual.numel() * n // (n + 1)
+    flat = residual[:p].clone()
+    flat[rank * (p // n):(rank + 1) * (p // n)] += residual[p:]
+    return flat[:m]
 
 
 def quantize_blocks(v: torch.Tensor, residual: torch.Tensor | None = None,

@@ -2,10 +2,11 @@
 
 Every adapter issues its gradient, reconciliation and control collectives through a :class:`Wire`:
 
-* lossy hops (FP16/BF16 wire) keep their rounding error in a residual named by a *key* the adapter
-  chooses (e.g. ``"sync/3"`` for bucket 3 of the SYNC class); :meth:`Wire.residual` creates it (and
-  re-creates it when the element count changed, e.g. after a class change), so there is one
-  error-feedback scheme (compression.py: the FP16 integer grid) for everybody;
+* lossy hops (FP16/BF16/INT8 wire) keep their rounding errors (the sender's and the owner's of the
+  sum) in a residual named by a *key* the adapter chooses (e.g. ``"sync/3"`` for bucket 3 of the SYNC
+  class); :meth:`Wire.residual` creates it (and re-creates it when the element count changed, e.g.
+  after a class change), so there is one error-feedback scheme (compression.py, lossy_wire.py) for
+  everybody;
 * every tensor handed to a collective must be on the communication device (``groups.device``):
   collectives.py checks it, and :meth:`Wire.tensor` makes the small control tensors (norms,
   overflow flags, scores) there, so with NCCL nothing is sent from the host;
@@ -90,7 +91,7 @@ class Wire:
     def intra_(self, t: torch.Tensor, *, key: str, wire: torch.dtype, cls: str = "local",
                average: bool = True) -> torch.Tensor:
         """All-reduce inside the island only (LOCAL class, ``intra_low``), error feedback under ``key``."""
-        res = self.residual(key, t.numel(), t.dtype, wire)
+        res = self.residual(key, C.hop_residual_numel(t.numel(), self.groups.intra_size, wire), t.dtype, wire)
         return C.intra_all_reduce(t, self.groups, wire_dtype=wire, residual=res, average=average,
                                   low_priority=True, record=self._rec[cls])
 

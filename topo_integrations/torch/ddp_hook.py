@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TopoAlignConfig
 from ..reducer.classes import LOCAL, SYNC, layer_indices
+from ..reducer.compression import fold_owner_residual, hop_residual_numel
 from ..reducer.dispatch import CommBucket
 from ..reducer.engine import Engine
 from ..reducer.groups import ReducerGroups
@@ -170,12 +171,15 @@ class TopoAlignHookState(EngineView):
         loc = [n for n in names if e.classes[n] == LOCAL]
         if not loc:
             return loc, None
-        return loc, e.wire.residual(f"ddp{idx}/local", sum(e.numels[n] for n in loc), torch.float32, e.local_dtype)
+        m = sum(e.numels[n] for n in loc)
+        return loc, e.wire.residual(f"ddp{idx}/local", hop_residual_numel(m, e.wire.groups.intra_size, e.local_dtype),
+                                    torch.float32, e.local_dtype)
 
     def _relayout(self, idx: int, names: list[str]) -> None:
         """DDP's bucket ``idx`` holds other parameters than at its last call (DDP rebuilt its buckets
-        after the first iteration) or the classes changed. The LOCAL residuals are per element, so they
-        follow their parameters into the new layout (GroupedReducer keeps them, and the same numbers
+        after the first iteration) or the classes changed. The LOCAL residuals are per element (the
+        owner's rounding of the sum folded into the sender's part), so they follow their parameters
+        into the new layout (GroupedReducer keeps them, and the same numbers
         need the same residuals); after a class change the engine dropped them all already. The
         layouts retired here are every earlier one sharing a parameter with the new one (they are
         rebuilt too, later in this backward); SYNC residuals (a lossy ``sync.dtype``) are per rail
@@ -188,6 +192,9 @@ class TopoAlignHookState(EngineView):
             del self._layouts[j]
             if version == e.class_version:
                 loc, r = self._local_residual(j, old)
+                if r is not None:  # the owner's rounding of the sum joins my own: nothing is lost
+                    g = e.wire.groups
+                    r = fold_owner_residual(r, sum(e.numels[n] for n in loc), g.intra_size, g.intra_rank)
                 off = 0
                 for n in loc:
                     if r is not None:
@@ -196,8 +203,9 @@ class TopoAlignHookState(EngineView):
             e.wire.reset_residuals(f"ddp{j}/")
         loc, r = self._local_residual(idx, names)
         if r is not None and any(n in self._carry for n in loc):
-            r.copy_(torch.cat([self._carry.pop(n, None) if n in self._carry else r.new_zeros(e.numels[n])
-                               for n in loc]))
+            per_element = torch.cat([self._carry.pop(n, None) if n in self._carry else r.new_zeros(e.numels[n])
+                                     for n in loc])
+            r[:per_element.numel()].copy_(per_element)
         self._layouts[idx] = (tuple(names), e.class_version)
 
     # ------------------------------------------------------------------ after the optimizer step
