@@ -241,6 +241,7 @@ class TopoAlignDDP(DistributedDataParallel):
             names = list(mine.values())
             layers, num_layers = self._topo_layers(cfg, list(named.values()))
             forced = {n for p, n in mine.items() if p in extra or getattr(p, "shared_embedding", False)}
+            self.topo_group_set.share_schedule(groups)  # one schedule for every chunk and the expert engine
             engine = Engine(cfg, groups, names, [p.numel() for p in mine], device=device,
                             layers={n: layers.get(n) for n in names}, num_layers=num_layers,
                             params={n: p for p, n in mine.items()}, forced_sync=forced, levels=ADAPTIVE_LEVELS,

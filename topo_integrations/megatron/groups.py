@@ -36,6 +36,17 @@ class GroupSet:
     def all(self) -> list[ReducerGroups]:
         return list(self.built.values())
 
+    def share_schedule(self, groups: ReducerGroups) -> None:
+        """One schedule per process (reducer/schedule.py): ``groups`` (e.g. the expert data-parallel
+        groups) issue through the schedule the other groups of this set already use, so every engine
+        of the model (chunks, expert engine) runs one issuing order, one trace and one watch."""
+        if getattr(groups, "schedule", None) is not None:
+            return
+        for g in self.built.values():
+            if g is not groups and getattr(g, "schedule", None) is not None:
+                g.schedule.attach(groups)
+                return
+
 
 class LayoutError(ValueError):
     """The topology's groups do not fit the data-parallel layout Megatron uses; the message says how to fix it."""
