@@ -3,6 +3,8 @@ timing. The one file to run when a GPU is at hand (``bash scripts/test.sh tests/
 
 * ``test_cuda_streams_path`` (one GPU is enough): 4 gloo ranks share the GPU (gloo accepts CUDA
   tensors), so the stream/event path and device-side scaling run, with ``monitor.check_collectives``.
+* ``test_nccl_peer_that_never_calls_is_named_within_the_timeout`` (two GPUs): the deadline watch on
+  NCCL (future done at enqueue, event polled, communicators aborted, named error within the timeout).
 * ``test_nccl_dispatcher_two_ranks`` (two GPUs): 2 ranks on NCCL, one GPU each: hierarchical equals
   NCCL's own all-reduce, the futures carry the communication stream's events, timings are device
   times, and every rank issued the same collectives (the check). NCCL refuses two ranks on one GPU.
@@ -128,3 +130,50 @@ def test_nccl_dispatcher_two_ranks():
         for mode in ("hierarchical", "selective"):
             assert r[mode]["rel"] <= 1e-6 and r[mode]["is_out"], r
             assert r[mode]["seconds"] > 0, r
+
+
+def _nccl_fault_main(rank, world):
+    """Rank 1 never calls the step's SYNC reduction: on NCCL rank 0's future completes at enqueue,
+    the schedule's watcher finds the event past ``fallback.timeout_s``, names it and aborts."""
+    import time
+
+    from topo_integrations.reducer import build_groups
+    from topo_integrations.reducer.collectives import CollectiveError
+    from topo_integrations.reducer.dispatch import CommBucket
+    from topo_integrations.reducer.engine import Engine
+    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.topology import plan_groups
+
+    from test_reducer_modes import cfg_of
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    plan = plan_groups(gather_hostnames_topology(["n0", "n1"]))
+    g = build_groups(plan, timeout_s=5)
+    cfg = cfg_of(mode="hierarchical", fallback__timeout_s=5)
+    e = Engine(cfg, g, ["a"], [1000], device=dev, layers={"a": None})
+    if rank == 1:
+        time.sleep(20)
+        return {"skipped": True}
+    x = torch.ones(1000, device=dev)
+    t0 = time.perf_counter()
+    fut = e.reduce(CommBucket("a", x), "SYNC")
+    enqueued = fut.done()
+    try:
+        e.wait(fut)
+        e.call(lambda: None, "control after the stuck bucket")
+        return {"error": None}
+    except CollectiveError as exc:
+        return {"error": str(exc), "after_s": time.perf_counter() - t0, "enqueued_done": enqueued}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two GPUs")
+def test_nccl_peer_that_never_calls_is_named_within_the_timeout():
+    from topo_integrations.testing import run_world
+
+    res = run_world(2, _nccl_fault_main, timeout=100, env={"OMP_NUM_THREADS": "1"}, backend="nccl")
+    r = res[0]
+    assert r["enqueued_done"] and r["error"] is not None, r
+    assert "did not complete within fallback.timeout_s = 5s" in r["error"] and "inter" in r["error"], r
+    assert r["after_s"] <= 5 + 1.5, r

@@ -101,6 +101,8 @@ class Watch:
     def begin(self, op: str, tier: str, comm: str, rank: int) -> InFlight:
         f = InFlight(op, tier, comm, rank, time.perf_counter())
         with self._lock:
+            if len(self._flight) >= 256:  # nobody polled (blocking calls, all landed): forget those
+                self._flight = [g for g in self._flight if not g.done]
             self._flight.append(f)
         return f
 
