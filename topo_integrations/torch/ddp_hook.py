@@ -154,7 +154,9 @@ class TopoAlignHookState(EngineView):
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             for f in fut.value():
-                f.wait()  # re-raises a failed reduction for DDP
+                # re-raises a failed reduction for DDP; bounded, and under NCCL's semantics (a future
+                # done at enqueue) the data has arrived (host) or the stream waits for it (CUDA)
+                e.wait(f)
             if flat is not buf:
                 buf.copy_(flat)
             if fisher:
