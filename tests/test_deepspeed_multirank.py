@@ -135,6 +135,99 @@ def _selective(rank):
     return res
 
 
+def _rail_model(rank, skip_island: int | None):
+    """H.Net plus a second head ``head_aux`` (SYNC by the ``head`` pattern) that island
+    ``skip_island`` never uses: there it gets no gradient, so its rail chunk is never captured
+    during backward and goes at the step (rail.py)."""
+    import torch
+    from torch import nn
+
+    from topo_integrations.deepspeed import harness as H
+
+    class Net(H.Net):
+        def __init__(self):
+            super().__init__()
+            self.head_aux = nn.Linear(16, 4)
+            self.use_aux = skip_island is None or rank // 2 != skip_island
+
+        def forward(self, x, y):
+            h = torch.tanh(self.embed(x))
+            for layer in self.layers:
+                h = torch.tanh(layer(h))
+            out = self.head(h) + (self.head_aux(h) if self.use_aux else 0.0)
+            return ((out - y) ** 2).mean()
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _rail(rank):
+    """ZeRO-1/2 selective: SYNC rail chunks issued from DeepSpeed's bucket reductions during backward
+    (rail.py). Per case: invariants every step; when the first SYNC chunk was submitted relative to
+    the last gradient hook of the step; the parameters of the overlapped run vs the serial one (all
+    SYNC chunks at the step, the path before issue 30); and, with every tensor SYNC, vs stock."""
+    import time
+
+    from topo_integrations.deepspeed import harness as H
+
+    small = {"reduce_bucket_size": 300}
+    cases = {  # name -> (stage, gas, zero options, island without head_aux gradients)
+        "z1-overlap_comm": (1, 1, dict(small, overlap_comm=True), None),
+        "z2-gas2": (2, 2, small, None),
+        "z2-overlap_comm-noncontiguous": (2, 1, dict(small, overlap_comm=True, contiguous_gradients=False), None),
+        "z2-no-grad-on-island-0": (2, 1, small, 0),
+    }
+    res = {}
+    for name, (stage, gas, zero, skip) in cases.items():
+        block = H.topo_block("selective", sync={"top_fraction": 0.2})
+        runs = {}
+        for overlap in (True, False):
+            model = _rail_model(rank, skip)
+            eng = _engine(model, H.ds_config(stage, gas=gas, clip=0.05, topo=block, zero_optimization=zero), "adamw")
+            rail = eng.optimizer.topo_rail
+            rail.overlap = overlap
+            hooks: list[float] = []
+            handles = [p.register_post_accumulate_grad_hook(lambda _p: hooks.append(time.perf_counter()))
+                       for p in model.parameters()]
+            recs: list = []
+            check = H.selective_checker(recs)
+            last_hook: list[float] = []
+
+            def step_check(engine, step, check=check, hooks=hooks, last_hook=last_hook):
+                check(engine, step)
+                last_hook.append(max(hooks))
+                hooks.clear()
+
+            H.train(eng, 8, check=step_check)
+            for h in handles:
+                h.remove()
+            runs[overlap] = {"params": H.flat_params(eng), "records": recs,
+                             "figures": [dict(f, t_last_hook=t) for f, t in zip(rail.figures, last_hook)],
+                             "chunk_keys": [c.key for c in rail.plan().chunks],
+                             "planned": sorted({pc.name for c in rail.plan().chunks for pc in c.pieces}),
+                             "sync": dict(eng.topo_align.sync)}
+            _reset_ds_globals()
+        on = runs[True]
+        res[name] = {"records": on["records"], "figures": on["figures"], "sync": on["sync"],
+                     "chunk_keys": on["chunk_keys"], "planned": on["planned"],
+                     "serial_early": [f["early"] for f in runs[False]["figures"]],
+                     "equal_to_serial": bool((on["params"] == runs[False]["params"]).all())}
+    # Every tensor SYNC: selective is the global mean, i.e. stock DeepSpeed (invariant 3), over many chunks.
+    for stage in (1, 2):
+        zero = dict(small, overlap_comm=True)
+        stock = _engine(_rail_model(rank, None), H.ds_config(stage, clip=0.05, zero_optimization=zero), "adamw")
+        H.train(stock, 6)
+        block = H.topo_block("selective", sync={"top_fraction": 1.0})
+        eng = _engine(_rail_model(rank, None), H.ds_config(stage, clip=0.05, topo=block, zero_optimization=zero),
+                      "adamw")
+        H.train(eng, 6)
+        fig = eng.optimizer.topo_rail.figures
+        res[f"all-sync-z{stage}"] = {"rel_err": H.rel_err(H.flat_params(eng), H.flat_params(stock)),
+                                     "chunks": fig[-1]["chunks"], "early": [f["early"] for f in fig]}
+        _reset_ds_globals()
+    return res
+
+
 def _checkpoint(rank, tmpdir):
     from topo_integrations.deepspeed import harness as H
 
@@ -438,6 +531,7 @@ def _rank_main(rank, world, tmpdir):
     out: dict = {}
     _section(out, "hierarchical", _hierarchical, rank)
     _section(out, "selective", _selective, rank)
+    _section(out, "rail", _rail, rank)
     _section(out, "checkpoint", _checkpoint, rank, tmpdir)
     _section(out, "overflow", _overflow, rank)
     _section(out, "stock", _stock_when_disabled, rank)
@@ -519,6 +613,61 @@ def test_selective_invariants_every_step(world, stage):
     assert all(r[stage]["losses"] == rec["losses"] for r in per_rank)
     if stage != 0:
         assert rec["dp_world"] == 2 and rec["optimizer"] == "TopoAlignDeepSpeedZeroOptimizer"
+
+
+RAIL_CASES = ("z1-overlap_comm", "z2-gas2", "z2-overlap_comm-noncontiguous", "z2-no-grad-on-island-0")
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("case", RAIL_CASES)
+def test_selective_sync_rail_issued_during_backward(world, case):
+    """ZeRO-1/2 selective: the SYNC rail chunks leave from DeepSpeed's bucket reductions, before
+    backward's last gradient hook, in the same plan on the rail partners, with the invariants kept
+    every step and the parameters bitwise those of the serial path (every chunk at the step)."""
+    rec = _ok(world, "rail")[case]
+    per_rank = [out["rail"][case] for out in world]
+    assert len(rec["records"]) == 8
+    _invariants(rec["records"], f"rail {case}")
+    assert all(r["sync"] == rec["sync"] for r in per_rank)
+    # Rail partners (rank r and r + 2) hold the same partition, hence the same chunks.
+    for r in (0, 1):
+        assert per_rank[r]["chunk_keys"] == per_rank[r + 2]["chunk_keys"], case
+    assert any(r["chunk_keys"] for r in per_rank), case
+    assert rec["equal_to_serial"], "overlapped SYNC rail differs from the serial path"
+    assert all(e == 0 for r in per_rank for e in r["serial_early"])
+    skipped, issued_in_backward = [], []
+    for r, out in enumerate(per_rank):
+        if not out["chunk_keys"]:  # no SYNC slice in this partition: nothing goes over this rail
+            assert out["figures"] == []
+            continue
+        figs = out["figures"]
+        assert len(figs) == 8
+        if case == "z2-no-grad-on-island-0" and r < 2 and "head_aux.weight" in out["planned"]:
+            # head_aux has no gradient on island 0: its chunk (and the later ones) go at the step,
+            # while its rail partner on island 1 issues the same chunks during backward.
+            assert all(f["early"] < f["chunks"] for f in figs), figs
+            assert all(f["early"] == f["chunks"] for f in per_rank[r + 2]["figures"])
+            skipped.append(r)
+            continue
+        for f in figs:
+            assert f["early"] == f["chunks"], (r, f)
+            if "head.weight" in out["planned"]:
+                # The head's gradient comes first in backward: its chunk left while backward was
+                # still producing gradients (the embedding's hook is last). A partition holding only
+                # early layers' SYNC slices can send them only at the end of backward.
+                assert f["t_first_submit"] < f["t_last_hook"], (r, f)
+                issued_in_backward.append(r)
+    assert issued_in_backward, "no rank holds the head in its partition"
+    if case == "z2-no-grad-on-island-0":
+        assert skipped, "no rank of island 0 holds head_aux in its partition"
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("stage", (1, 2))
+def test_selective_all_sync_equals_stock_through_the_rail(world, stage):
+    rec = _ok(world, "rail")[f"all-sync-z{stage}"]
+    assert rec["rel_err"] <= 1e-6, rec
+    assert rec["chunks"] > 1 and all(e == rec["chunks"] for e in rec["early"]), rec
 
 
 @pytest.mark.timeout(1000)

@@ -42,6 +42,8 @@ MAX_SKIPS = 12
 # (pattern, replacement) applied to a command before it runs: the same command, small.
 SMALL_ARGS = [
     (re.compile(r"--repeats 5\b"), "--repeats 1"),  # scripts/emulate_measure.py: one repeat per preset
+    # scripts/ds_sync_overlap.py: one step of a small model per case (4 ranks start either way)
+    (re.compile(r"ds_sync_overlap\.py --steps 12\b"), "ds_sync_overlap.py --steps 1 --width 32 --depth 2 --batch 4"),
 ]
 # Files the docs name as "yours" (your block, your cluster's topology.conf): stand-ins from the repo.
 STAND_INS = {

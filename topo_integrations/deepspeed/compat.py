@@ -65,6 +65,8 @@ SEAMS: tuple[Seam, ...] = (
          ("self", "tensor", "communication_data_type"), "ZeRO-1/2 hierarchical reduction (reduce_scatter=false)"),
     Seam("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step", ("self", "closure"),
          "ZeRO-1/2 selective SYNC reduction"),
+    Seam("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.reduce_ipg_grads", ("self", "comm_dtype"),
+         "ZeRO-1/2 selective: SYNC rail reduction issued as buckets finish"),
     Seam("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.scaled_global_norm",
          ("self", "norm_type"), "ZeRO-1/2 selective clip-norm agreement"),
     Seam("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow",

@@ -11,7 +11,9 @@ these mixins only map DeepSpeed's buffers onto it.
 * ZeRO-1/2 `selective`: DeepSpeed's data-parallel group is the island (an mpu, see :mod:`.mpu`), so
   ZeRO reduces every gradient inside the island and keeps one optimizer-state shard per island
   member, exactly like HSDP. :class:`SelectiveZeroMixin` adds the cross-island step: SYNC slices of
-  the averaged gradient partition go over the rail before the step (a RAIL bucket of the dispatcher); the clip norm
+  the averaged gradient partition go over the rail (RAIL buckets of the dispatcher), issued from
+  ``reduce_ipg_grads`` as DeepSpeed's island buckets finish during backward and waited for before
+  the step (rail.py); the clip norm
   and the overflow flag are made global; the reconcile source (:class:`PartitionSource`) hands the
   engine the LOCAL slices of the fp32 master partition and of the optimizer moments, and
   ``update_lp_params`` re-gathers the island's bit16 parameters after they changed.
@@ -31,8 +33,8 @@ import torch.distributed as tdist
 
 from ..reducer.classes import SYNC
 from ..reducer.dispatch import Collective, CommBucket, Reduction
-from ..reducer.ranges import put, take
 from ..reducer.reconcile import ReconcileItem, is_second_moment
+from .rail import SyncRail, flat_offsets
 
 __all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mixin", "PartitionSource",
            "reduce_scatter_coalesced", "swap_class"]
@@ -180,18 +182,6 @@ class HierarchicalStage3Mixin:
 # ZeRO-1/2 selective (DeepSpeed's DP group = island)
 # ---------------------------------------------------------------------------------------------
 
-def _flat_offsets(opt, i: int):
-    """(name, start, end) of each parameter of group ``i`` inside ``bit16_groups_flat[i]``."""
-    flat = opt.bit16_groups_flat[i]
-    base = flat.data_ptr()
-    size = flat.element_size()
-    out = []
-    for p in opt.bit16_groups[i]:
-        start = (p.data_ptr() - base) // size
-        out.append((opt.topo_align_param_names[id(p)], start, start + p.numel()))
-    return out
-
-
 class PartitionSource:
     """What ZeRO-1/2 `selective` reconciles: this rank's LOCAL slices of the fp32 master partition
     (``param=`` set: drift is measured on them) and of every optimizer-state tensor of the
@@ -256,7 +246,7 @@ class SelectiveZeroMixin:
             ps = int(self.partition_size[i])
             lo, hi = pid * ps, (pid + 1) * ps
             sync, local, per_param = [], [], []
-            for name, a, b in _flat_offsets(self, i):
+            for name, a, b in flat_offsets(self, i):
                 a2, b2 = max(a, lo), min(b, hi)
                 if a2 < b2:
                     (sync if e.is_sync(name) else local).append((a2 - lo, b2 - lo))
@@ -269,17 +259,44 @@ class SelectiveZeroMixin:
     def topo_reconcile_source(self) -> PartitionSource:
         return PartitionSource(self)
 
-    # -- 1. SYNC gradients across islands, before DeepSpeed's step --------------------------------
+    # -- 1. SYNC gradients across islands: issued as DeepSpeed's buckets finish, waited for in step --
+
+    @property
+    def topo_rail(self) -> SyncRail:
+        rail = self.__dict__.get("_topo_rail")
+        if rail is None:
+            rail = self._topo_rail = SyncRail(self)
+        return rail
+
+    def reduce_ipg_grads(self, comm_dtype=None):
+        """DeepSpeed's island reduction of the filled bucket(s); then the rail gets the SYNC slices
+        of the reduced parameters (rail.py: captured at the accumulation boundary, submitted in plan
+        order), so the cross-island hop overlaps the rest of backward."""
+        dtypes = list(self.ipg_buckets) if comm_dtype is None else [comm_dtype]
+        params = [self.bit16_groups[g][k] for dt in dtypes if dt in self.ipg_buckets
+                  for g, k, _pid in self.ipg_buckets[dt].params]
+        out = super().reduce_ipg_grads(comm_dtype)
+        if params:
+            if self.overlap_comm and self.reduction_stream is not None:
+                # DeepSpeed reduced on its reduction stream: capture (and mark the chunk ready) there,
+                # after the reduction, not on the stream running backward (a no-op on the CPU).
+                from deepspeed.accelerator import get_accelerator
+
+                with get_accelerator().stream(self.reduction_stream):
+                    self.topo_rail.bucket_reduced(params)
+            else:
+                self.topo_rail.bucket_reduced(params)
+        return out
 
     def _topo_sync_gradients(self) -> None:
-        """Phases: 1. flatten this rank's island-averaged gradient partition; 2. gather its SYNC
-        slices and all-reduce them over the rail (the same partition of every island; wire
-        ``sync.dtype``, error feedback), / islands; 3. write back. With DP = island this completes
-        the hierarchical RS/AR/AG for SYNC."""
-        st = self.topo_align
-        e = st.engine
-        names, sq = [], []
-        for i, (sync, _local, per_param) in enumerate(self._topo_slices()):
+        """Phases: 1. flatten this rank's island-averaged gradient partition per group; 2. the rail
+        (rail.py) submits the SYNC chunks not yet submitted during backward, waits for every chunk
+        (all-reduce over the rail: the same partition of every island; wire ``sync.dtype``, error
+        feedback; / islands) and writes them back; 3. write back into DeepSpeed's partition lists.
+        With DP = island this completes the hierarchical RS/AR/AG for SYNC."""
+        e = self.topo_align.engine
+        flats, lists = [], []
+        for i in range(len(self.bit16_groups)):
             ags = self.averaged_gradients
             ag = ags.get(i) if isinstance(ags, dict) else ags[i]
             if ag is None:
@@ -288,14 +305,14 @@ class SelectiveZeroMixin:
                 flat = ag.flat_partition
             else:
                 flat = torch.cat([g.reshape(-1) for g in ag])
-            # Every rank issues the collective, even with nothing to send, so collectives stay paired.
-            buf = take(flat, sync) if flat is not None else torch.zeros(
-                sum(b - a for a, b in sync), dtype=self.single_partition_of_fp32_groups[i].dtype, device=e.device)
-            if buf.numel():  # rail partners hold the same partition id, hence the same slices
-                e.wait(e.reduce(CommBucket(f"sync/{i}", buf, collective=Collective.RAIL), SYNC))
+            flats.append(flat)
+            lists.append(ag)
+        self.topo_rail.finish(flats)
+        names, sq = [], []
+        for i, (_sync, _local, per_param) in enumerate(self._topo_slices()):
+            flat, ag = flats[i], lists[i]
             if flat is None:
                 continue
-            put(flat, sync, buf)
             if e.tracks_fisher:
                 # Importance from this rank's slice of each tensor; the refresh sums the slices over
                 # the ranks (the same 1/island-size factor for every tensor: ranking unchanged).
@@ -313,7 +330,9 @@ class SelectiveZeroMixin:
 
     def step(self, closure=None):
         self._topo_sync_gradients()
-        self.topo_align.engine.all_submitted()  # every gradient collective issued: held reconciliation may go
+        e = self.topo_align.engine
+        e.sync_done()
+        e.all_submitted()  # every gradient collective issued: held reconciliation may go
         return super().step(closure)
 
     # -- 2. one clip norm for everyone ------------------------------------------------------------
