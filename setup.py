@@ -40,6 +40,10 @@ EXTRAS = {
     "train": ["tensorboard>=2.14"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+# An optional peer of the benchmark, not in "all": torchft's DiLoCo / LocalSGD (`topo-align bench
+# --systems torchft-diloco`, docs/benchmarks.md). Its wheel carries a compiled (Rust) extension, built
+# for a few platforms only, and it pulls in OpenTelemetry; the bench skips it, saying so, where absent.
+EXTRAS["torchft"] = ["torchft>=0.2,<0.3"]
 
 setup(
     name="topo-align",

@@ -42,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "2x2-long: the long-horizon comparison (deep GPT, 100 Mbit/s, equal wall-clock budget, "
                         "validation curves; docs/benchmarks.md)")
     p.add_argument("--systems", default=None, metavar="A,B,...",
-                   help="comma-separated subset, in run order (default: the preset's, else all): "
-                        f"{', '.join(SYSTEMS)}, post-local-sgd-hN (post-local SGD averaging every N steps)")
+                   help="comma-separated subset, in run order (default: the preset's, else all but the optional "
+                        f"torchft peers): {', '.join(SYSTEMS)}, post-local-sgd-hN (post-local SGD averaging every N "
+                        "steps), torchft-diloco-hN / torchft-localsgd-hN (torchft syncing every N steps)")
     p.add_argument("--localsgd-sweep", default=None, metavar="H,H,...",
                    help="also run post-local SGD at each of these averaging periods (systems post-local-sgd-hN)")
     p.add_argument("--quick", action="store_true", help="a few steps of a tiny model (smoke test)")
@@ -102,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _spec(args: argparse.Namespace):
     from .driver import PRESETS, BenchSpec
-    from .systems import SYSTEMS
+    from .systems import DEFAULT_SYSTEMS
 
     preset = PRESETS[args.preset]
     kw: dict = dict(preset.defaults)
@@ -120,7 +121,7 @@ def _spec(args: argparse.Namespace):
             kw[name] = v
     if args.timeout is not None:
         kw["timeout_s"] = args.timeout
-    systems = (preset.systems or tuple(SYSTEMS)) if args.systems is None else \
+    systems = (preset.systems or DEFAULT_SYSTEMS) if args.systems is None else \
         tuple(s.strip() for s in args.systems.split(",") if s.strip())
     sweep = (f"post-local-sgd-h{h}" for h in _sweep(args.localsgd_sweep))
     systems += tuple(k for k in sweep if k not in systems)

@@ -31,7 +31,7 @@ from ..topology.file_source import load_topology_file
 from ..topology.planner import plan_groups
 from .budget import budget_for, run_order, train_seconds
 from .presets import PRESETS, REFERENCE, Preset
-from .systems import SYSTEMS, Layout, availability, averaging_period, is_local, resolve, theory_bytes
+from .systems import DEFAULT_SYSTEMS, SYSTEMS, Layout, availability, averaging_period, is_local, resolve, theory_bytes
 
 __all__ = ["PRESETS", "Preset", "BenchSpec", "BenchError", "run_bench", "prepare_data", "REPO_ROOT"]
 
@@ -51,7 +51,7 @@ of a step is compute, the loopback tier and the kernel's TCP work."""
 @dataclass
 class BenchSpec:
     preset: str = "2x2"
-    systems: Sequence[str] = tuple(SYSTEMS)
+    systems: Sequence[str] = DEFAULT_SYSTEMS
     steps: int = 40
     micro_batch: int = 8
     layers: int = 4
@@ -109,7 +109,7 @@ class BenchSpec:
         unknown = [s for s in self.systems if resolve(s) is None]
         if unknown:
             raise BenchError(f"--systems: unknown {', '.join(unknown)}; accepted: {', '.join(SYSTEMS)}, "
-                             "post-local-sgd-hN (N >= 1)")
+                             "post-local-sgd-hN, torchft-diloco-hN, torchft-localsgd-hN (N >= 1)")
         if not self.systems:
             raise BenchError("--systems: give at least one system")
         for name in ("steps", "micro_batch", "layers", "hidden", "heads", "seq_length", "reconcile_interval",

@@ -18,7 +18,7 @@ import numpy as np
 
 from .budget import not_below, time_to
 from .presets import REFERENCE
-from .systems import averaging_period
+from .systems import averaging_period, torchft_period
 
 __all__ = ["QUALITY_MARGIN", "COMM_SHARE_MIN", "is_long", "summarize_long", "long_md", "plot_val"]
 
@@ -69,7 +69,7 @@ def summarize_long(results: dict, ok: dict) -> list[dict]:
 
 
 def _peers(ok: dict) -> list[str]:
-    return [k for k in ok if k in STOCK_PEERS or averaging_period(k) is not None]
+    return [k for k in ok if k in STOCK_PEERS or averaging_period(k) is not None or torchft_period(k) is not None]
 
 
 def _goals(results: dict, ok: dict) -> list[dict]:

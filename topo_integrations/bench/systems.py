@@ -23,7 +23,8 @@ LOCALSGD_PERIOD = 4
 """Post-local SGD's averaging period when --reconcile-interval is not given (the bench's peer setting)."""
 
 __all__ = ["System", "SYSTEMS", "DEFAULT_SYSTEMS", "Layout", "ring_bytes", "theory_bytes", "availability",
-           "LOCALSGD_PERIOD", "LOCAL_METHODS", "resolve", "averaging_period", "is_local"]
+           "LOCALSGD_PERIOD", "LOCAL_METHODS", "resolve", "averaging_period", "is_local", "torchft_period",
+           "TORCHFT_SYSTEMS"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,17 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
         # a world all-reduce of the parameters every H steps (HierarchicalModelAverager, one level).
         tot = {k: w * glob[k] + (steps - w) * sub[k] + n_avg * glob[k] for k in glob}
         return {k: v / steps for k, v in tot.items()}
+    if torchft_period(key) is not None:
+        # DDP inside the replica group (the topology group) every step; every H steps each group
+        # rank all-reduces the whole fp32 model (DiLoCo: the pseudo-gradient; LocalSGD: the
+        # parameters) with the same group rank of the other replica groups (its rail). The
+        # lighthouse's quorum and heartbeat RPCs are not payload.
+        n_sync = int(info.get("syncs", steps // max(1, int(info.get("sync_every", 4)))))
+        if layout.groups is None:
+            return {k: v * n_sync / steps for k, v in flat_ring(layout, S).items()}
+        rails = _add(*[ring_bytes(layout, r, S, "allreduce") for r in layout.rails])
+        sub = in_group(layout, S)
+        return {k: sub[k] + rails[k] * n_sync / steps for k in sub}
     return None
 
 
@@ -189,6 +201,10 @@ class System:
     needs: tuple[str, ...]
     """``module`` or ``module:attribute`` that must import for the system to run."""
     note: str = ""
+    install: str = ""
+    """How to install what ``needs`` names when it is an optional extra (said when it does not import)."""
+    default: bool = True
+    """Run when ``--systems`` is not given (False: optional peers, named explicitly)."""
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in [
@@ -219,15 +235,40 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
     System("ds-topo-selective-z1", "topo-align selective in DeepSpeed ZeRO-1", "topo-align",
            ("deepspeed", "topo_integrations.deepspeed:initialize"),
            "no theoretical bytes: ZeRO-1's parameter all-gather follows DeepSpeed's partitioning"),
+    System("torchft-diloco", "torchft DiLoCo (outer Nesterov SGD), replica group = node", "torchft",
+           ("torchft.local_sgd:DiLoCo", "torchft.manager:Manager", "torchft._torchft:LighthouseServer"),
+           "optional peer: torchft's own outer loop, lighthouse in rank 0's process",
+           install="pip install -c constraints.txt -e '.[torchft]'", default=False),
+    System("torchft-localsgd", "torchft LocalSGD, replica group = node", "torchft",
+           ("torchft.local_sgd:LocalSGD", "torchft.manager:Manager", "torchft._torchft:LighthouseServer"),
+           "optional peer: torchft's own outer loop, lighthouse in rank 0's process",
+           install="pip install -c constraints.txt -e '.[torchft]'", default=False),
 ]}
 
-DEFAULT_SYSTEMS: tuple[str, ...] = tuple(SYSTEMS)
+DEFAULT_SYSTEMS: tuple[str, ...] = tuple(k for k, s in SYSTEMS.items() if s.default)
+"""What runs without ``--systems`` (and without a preset's own list): every system but the optional peers."""
+
+TORCHFT_SYSTEMS = ("torchft-diloco", "torchft-localsgd")
+"""torchft's DiLoCo and LocalSGD (pip extra ``torchft``): one replica group per topology group,
+DDP inside it, torchft's Manager and outer loop across groups every H steps (trainers._TorchFT)."""
 
 LOCAL_METHODS = ("post-local-sgd", "topo-selective", "ds-topo-selective", "ds-topo-selective-z1")
 """Systems whose replicas differ between groups between averagings (post-local SGD and its
 ``-hN`` variants, selective): validation along the run evaluates the mean of the replicas."""
 
 _H_SUFFIX = "post-local-sgd-h"
+
+
+def torchft_period(key: str) -> int | None:
+    """The sync period a torchft key fixes: ``torchft-diloco-h16`` -> 16; 0 for the plain keys (the
+    bench's default period, as post-local SGD's); None for any other system."""
+    for base in TORCHFT_SYSTEMS:
+        if key == base:
+            return 0
+        tail = key[len(base) + 2:] if key.startswith(base + "-h") else ""
+        if tail.isdigit() and int(tail) >= 1:
+            return int(tail)
+    return None
 
 
 def averaging_period(key: str) -> int | None:
@@ -245,6 +286,10 @@ def resolve(key: str) -> System | None:
     averaging every N steps, for the sweep of its period); None when unknown."""
     if key in SYSTEMS:
         return SYSTEMS[key]
+    h = torchft_period(key)
+    if h:
+        base = SYSTEMS[key.rsplit("-h", 1)[0]]
+        return System(key, f"{base.label} (H={h})", base.framework, base.needs, base.note, base.install, False)
     h = averaging_period(key)
     if not h:
         return None
@@ -253,7 +298,7 @@ def resolve(key: str) -> System | None:
 
 
 def is_local(key: str) -> bool:
-    return key in LOCAL_METHODS or averaging_period(key) is not None
+    return key in LOCAL_METHODS or averaging_period(key) is not None or torchft_period(key) is not None
 
 
 def availability(system: System, importer: Callable[[str], object] = importlib.import_module) -> str | None:
@@ -263,7 +308,8 @@ def availability(system: System, importer: Callable[[str], object] = importlib.i
         try:
             m = importer(mod)
         except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-            return f"{mod} does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            why = f"{mod} does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            return f"{why}; optional: {system.install}" if system.install else why
         if attr and not hasattr(m, attr):
             return f"{mod} has no {attr} (adapter not built yet)"
     return None

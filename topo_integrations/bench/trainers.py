@@ -1,8 +1,9 @@
 """The benchmarked systems, one class each (docs/benchmarks.md): the same GPT, AdamW schedule and
 clipping on a plain PyTorch loop, PyTorch DDP (optionally its fp16 compression hook), post-local SGD,
-topo-align's GroupedReducer in each mode, DeepSpeed ZeRO with and without topo-align, and
-megatron-core DDP with and without the distributed optimizer. :func:`build` makes the one a spec
-names; the worker (worker.py) drives it. Frameworks are imported only inside these classes.
+torchft's DiLoCo and LocalSGD (optional), topo-align's GroupedReducer in each mode, DeepSpeed ZeRO
+with and without topo-align, and megatron-core DDP with and without the distributed optimizer.
+:func:`build` makes the one a spec names; the worker (worker.py) drives it. Frameworks are imported
+only inside these classes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from .systems import LOCALSGD_PERIOD
+from .systems import LOCALSGD_PERIOD, torchft_period
 
 __all__ = ["build", "lr_at_step"]
 
@@ -136,6 +137,91 @@ class _PostLocalSGD(_Plain):
         avg = sum(1 for t in range(self.steps) if t >= self.warmup and t % self.H == 0)
         return {"localsgd_warmup": self.warmup, "averaging_period": self.H, "averages": avg,
                 "subgroup_size": len((self.spec["groups"] or [[0]])[0])}
+
+
+DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+"""DiLoCo's outer optimizer: SGD with Nesterov momentum, the DiLoCo paper's values (arXiv 2311.08105)
+and those of torchft's own DiLoCo tests."""
+
+
+def _local_ip() -> str:
+    """This rank's address on the route to MASTER_ADDR (its emulated node's interface; 127.0.0.1
+    on one machine): what the other nodes reach its torchft servers at."""
+    import os
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), 9))  # UDP: no packet is sent
+        return s.getsockname()[0]
+
+
+class _TorchFT(_Plain):
+    """torchft's own outer loop (someone else's implementation of local SGD / DiLoCo): one torchft
+    replica group per topology group (a node), PyTorch DDP inside it every step, and every H steps
+    torchft's ``DiLoCo`` (pseudo-gradient all-reduce across the groups + outer Nesterov SGD) or
+    ``LocalSGD`` (parameter average) through its ``Manager`` and ``ProcessGroupGloo``. The
+    lighthouse (quorum server) runs in rank 0's process, each group's TCPStore in its first rank's;
+    every group joins every quorum (``min_replica_size`` = groups), weights start equal (same seed;
+    ``init_sync=False``). No global warm-up: torchft has none."""
+
+    def __init__(self, spec: dict):
+        import datetime
+
+        from torch.nn.parallel import DistributedDataParallel
+        from torchft._torchft import LighthouseServer
+        from torchft.local_sgd import DiLoCo, LocalSGD
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        super().__init__(spec)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        groups = spec["groups"] or [[r] for r in range(world)]
+        self.subgroup, _ = dist.new_subgroups_by_enumeration(groups)
+        gid = next(i for i, g in enumerate(groups) if rank in g)
+        grank = groups[gid].index(rank)
+        ip = _local_ip()
+        self.lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=len(groups)) if rank == 0 else None
+        self.store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False) if grank == 0 else None
+        mine = {"ip": ip, "store_port": self.store.port if self.store else None,
+                "lighthouse_port": int(self.lighthouse.address().rsplit(":", 1)[1]) if self.lighthouse else None}
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        first = every[groups[gid][0]]
+        timeout = datetime.timedelta(seconds=spec["timeout_s"])
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+            min_replica_size=len(groups), use_async_quorum=False, init_sync=False, rank=grank,
+            world_size=len(groups[gid]), store_addr=first["ip"], store_port=first["store_port"],
+            lighthouse_addr=f"http://{every[0]['ip']}:{every[0]['lighthouse_port']}", replica_id=f"node{gid}",
+            hostname=ip, port=0, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        if len(groups[gid]) > 1:
+            self.net = DistributedDataParallel(self.model, process_group=self.subgroup)
+        self.H = torchft_period(spec["system"]) or spec["reconcile_interval"] or LOCALSGD_PERIOD
+        self.kind = "diloco" if spec["system"].startswith("torchft-diloco") else "localsgd"
+        if self.kind == "diloco":
+            self.outer = torch.optim.SGD(self.model.parameters(), **DILOCO_OUTER)
+            self.wrapper = DiLoCo(self.manager, [self.model], self.opt, self.outer, sync_every=self.H,
+                                  pin_memory=False)
+        else:
+            self.wrapper = LocalSGD(self.manager, self.model, self.opt, sync_every=self.H)
+        self.wrapper.__enter__()  # registers its optimizer hooks: opt.step() runs torchft's outer loop
+        self.groups = len(groups)
+
+    def info(self) -> dict:
+        out = {"torchft": self.kind, "sync_every": self.H, "syncs": self.manager.current_step(),
+               "replica_groups": self.groups, "torchft_version": _version("torchft")}
+        if self.kind == "diloco":
+            out["outer_optimizer"] = "SGD " + ", ".join(f"{k}={v}" for k, v in DILOCO_OUTER.items())
+        return out
+
+
+def _version(dist_name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return "?"
 
 
 def _reconcile_info(cfg) -> dict:
@@ -388,6 +474,8 @@ def build(spec: dict):
         return _DDP(spec)
     if key == "ddp-fp16":
         return _DDP(spec, hook="fp16")
+    if torchft_period(key) is not None:  # torchft-diloco, torchft-localsgd and their -hN variants
+        return _TorchFT(spec)
     if key == "post-local-sgd" or spec.get("averaging_period"):  # post-local-sgd-hN: averaging_period N
         return _PostLocalSGD(spec)
     if key in ("topo-flat", "topo-hier", "topo-selective"):
