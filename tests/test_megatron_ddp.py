@@ -240,31 +240,44 @@ class _Spy:
             setattr(self.dist, op, self.saved[("dist", op)])
 
 
-def _engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None):
+def _engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None, overlap=True):
     """``steps`` optimizer steps with the invariants after each; ``at_step(step, ddp, opt)`` runs
-    before a step; then a forced blocking reconciliation (everything equal afterwards)."""
-    from topo_integrations.megatron.testing import build_gpt, init_parallel, make_optimizer, run_iteration, wrap_ddp
+    before a step; then a forced blocking reconciliation (everything equal afterwards). Every step
+    also records when its gradient collectives were released (`ReleaseProbe`)."""
+    from topo_integrations.megatron.testing import (
+        ReleaseProbe,
+        build_gpt,
+        init_parallel,
+        make_optimizer,
+        run_iteration,
+        wrap_ddp,
+    )
 
     K = 2 if dist_opt else 1
     init_parallel(K)
     m, c = build_gpt(spec)
-    ddp = wrap_ddp(m, c, topo=cfg, use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=K)
+    ddp = wrap_ddp(m, c, topo=cfg, use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=K,
+                   overlap_grad_reduce=overlap)
     opt = make_optimizer(ddp, clip_grad=0.3)
-    recs, s = [], None
+    recs, releases, s = [], [], None
+    probe = ReleaseProbe(ddp)
     if spy:
         s = _Spy(ddp).__enter__()
     try:
         for step in range(steps):
             if at_step is not None:
                 at_step(step, ddp, opt)
-            recs.append(_invariants(ddp, run_iteration(ddp, spec, rank, step, opt)))
+            probe.start()
+            r = run_iteration(ddp, spec, rank, step, opt)
+            releases.append(probe.step())
+            recs.append(_invariants(ddp, r))
         ddp.topo_reconcile(opt)
     finally:
         if s is not None:
             s.__exit__()
     final = _invariants(ddp, {"loss": None})
     e = ddp.topo_engines[0]
-    out = {"recs": recs, "final_all_same": final["all_same"], "max_staleness": e.max_staleness,
+    out = {"recs": recs, "releases": releases, "final_all_same": final["all_same"], "max_staleness": e.max_staleness,
            "reconciles": e.reconciles, "promoted": list(e.drift.promoted), "sync_dtype": str(e.sync_dtype),
            "interval": e.reconcile_interval, "classes_version": e.class_version,
            "level": None if e.adaptive is None else e.adaptive.level,
@@ -306,6 +319,11 @@ def _engine_checks(rank, spec):
 
     out = {}
     out["async_plain"] = _engine_run(rank, spec, cfg(), dist_opt=False, steps=7, spy=True)
+    # SYNC = the last layer only: the LOCAL buckets of the earlier layers go during backward
+    # (no drift promotion: it would move tensors of any bucket to SYNC)
+    out["last_layer_overlap_plain"] = _engine_run(
+        rank, spec, cfg(sync={"top_fraction": 0.0}, local={"promote_drift_fraction": 0.0}), dist_opt=False, steps=4)
+    out["no_overlap_plain"] = _engine_run(rank, spec, cfg(), dist_opt=False, steps=4, overlap=False)
     out["adaptive_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000},
                                                         sync={"dtype": "fp32"}),  # fp16 level: from fp32 only
                                         dist_opt=False, steps=7, at_step=_force_level("fp16"))
@@ -671,7 +689,8 @@ def test_stock_when_off_flat_or_one_tier(world, case):
 
 
 ENGINE_CASES = ["async_plain", "async_distopt", "adaptive_plain", "adaptive_distopt", "drift_plain", "drift_distopt",
-                "hutchinson_plain", "delta_distopt", "adaptive_checks_plain"]
+                "hutchinson_plain", "delta_distopt", "adaptive_checks_plain", "last_layer_overlap_plain",
+                "no_overlap_plain"]
 
 
 @pytest.mark.timeout(960)
@@ -741,3 +760,38 @@ def test_hutchinson_refresh_from_the_captured_megatron_loss(world):
     for res in world:
         r = res["engine"]["hutchinson_plain"]
         assert r["hutchinson_refreshes"] >= 2  # refreshes at steps 2 and 4 differentiated the model's loss
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("case", ["async_plain", "last_layer_overlap_plain"])
+def test_local_buckets_leave_during_backward_with_overlap(world, case):
+    """--overlap-grad-reduce: every LOCAL bucket is released before Megatron's finish_grad_sync
+    (right after the step's last bucket group with SYNC work), never before a SYNC bucket of the
+    step. Step 0 is Megatron's first batch: everything is submitted in finish_grad_sync."""
+    for res in world:
+        rel = res["engine"][case]["releases"]
+        assert rel[0]["local"] > 0 and rel[0]["local_released_before"] == 0, rel[0]
+        assert all(r["local"] > 0 for r in rel), rel  # (drift promotion may move some LOCAL to SYNC)
+        for step, r in enumerate(rel[1:], start=1):
+            assert r["local_released_before"] == r["local"], (case, step, r)
+            assert r["local_after_last_sync"], (case, step, r)
+    if case == "last_layer_overlap_plain":  # SYNC fills first: the earlier layers' LOCAL buckets go at once
+        for res in world:
+            rel = res["engine"][case]["releases"][1:]
+            assert all(r["local_released_before_last_bucket"] > 0 for r in rel), rel
+
+
+@pytest.mark.timeout(960)
+def test_local_buckets_without_overlap_go_in_finish_grad_sync(world):
+    for res in world:
+        for r in res["engine"]["no_overlap_plain"]["releases"]:
+            assert r["local"] > 0 and r["local_released_before"] == 0 and r["sync_released_before"] == 0, r
+
+
+@pytest.mark.timeout(960)
+def test_distributed_optimizer_shards_leave_during_backward(world):
+    """The distributed optimizer carries LOCAL ranges in the island reduce-scatter of a SYNC item:
+    no LOCAL item, every item released from the hooks (after the first batch)."""
+    for res in world:
+        for r in res["engine"]["async_distopt"]["releases"][1:]:
+            assert r["local"] == 0 and r["sync"] > 0 and r["sync_released_before"] == r["sync"], r

@@ -10,6 +10,11 @@ bucket and class; wire dtypes, error feedback, levels, order and timing are the 
 Element ranges per class come from ``buffer.param_index_map`` (buffer-absolute offsets in the
 padded layout, which the distributed optimizer's shards use too; ``bucket.param_to_index`` ignores
 that padding and must not be used).
+
+When the dispatcher's held work may go is decided per engine by `StepRelease`, from the sequence of
+bucket-group submissions: LOCAL buckets right after the step's last bucket group with SYNC work,
+reconciliation chunks right after its last bucket group. With ``--overlap-grad-reduce`` both points
+fall inside backward (Megatron submits from its grad-ready hooks), so island reductions overlap it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from ..reducer.dispatch import Collective, CommBucket, Reduction
 from ..reducer.ranges import Ranges, merge_spans
 from ..reducer.ranges import clip as clip_ranges
 
-__all__ = ["TopoBucketGroup", "Ranges", "class_ranges", "clip_ranges"]
+__all__ = ["TopoBucketGroup", "StepRelease", "Ranges", "class_ranges", "clip_ranges"]
 
 # Looked up, not imported by name: a megatron-core without the private class still imports this
 # module, and `TopoAlignDDP`'s version gate (compat.check_core, run before anything is built) refuses
@@ -35,6 +40,61 @@ def class_ranges(spans: list[tuple[int, int, str]]) -> dict[str, Ranges]:
     one class merged (the run also covers the distributed optimizer's alignment padding between
     them, whose gradients are zero)."""
     return merge_spans(spans, (SYNC, LOCAL))
+
+
+class StepRelease:
+    """The release points of one engine's step, as positions in the sequence of its bucket groups'
+    submissions (`TopoBucketGroup.start_grad_sync`).
+
+    Megatron submits a bucket group once per step, in the last microbatch only: from its grad-ready
+    hooks during backward with ``--overlap-grad-reduce`` (in the order the groups fill, i.e. reverse
+    layer order, the same on every rank), otherwise in ``finish_grad_sync`` (in bucket-group order).
+
+    1. The step opens at its first submission; the groups with SYNC work are fixed then (classes
+       change only between steps).
+    2. Right after the submission that leaves no group with SYNC work unsubmitted:
+       ``engine.sync_done()`` -- the LOCAL buckets held so far go, later ones as submitted.
+    3. Right after the submission of the last group: ``engine.all_submitted()`` -- held
+       reconciliation chunks go; the step closes.
+
+    Counting submissions, not watching one fixed group, keeps the point right where a group with SYNC
+    work fills late (importance-chosen SYNC tensors may sit in any bucket; a tied embedding's group
+    waits for its second gradient) and where no group has SYNC work (the point is the first
+    submission). It depends on the order of submissions only, never on timing, so it is the same on
+    every rank. One per engine (`TopoAlignDDP` attaches it): a virtual-pipeline chunk and a separate
+    expert engine keep their own, so each releases in its own program order.
+    """
+
+    @classmethod
+    def attach(cls, engine, bucket_groups: list) -> "StepRelease":
+        """The release points of ``engine``, whose collectives ``bucket_groups`` (all of them) issue."""
+        rel = cls(engine, bucket_groups)
+        for bg in bucket_groups:
+            bg.topo_release = rel
+        return rel
+
+    def __init__(self, engine, bucket_groups: list):
+        self.engine = engine
+        self.groups = list(bucket_groups)
+        self._unsubmitted: set[int] | None = None
+        """Groups not yet submitted in the open step (None: no step open)."""
+        self._sync_left: set[int] = set()
+        self._sync_said = False
+
+    def submitted(self, bucket_group) -> None:
+        """``bucket_group`` handed this step's buckets to the engine (phases 1-3 above)."""
+        if self._unsubmitted is None:  # 1.
+            self._unsubmitted = {id(g) for g in self.groups}
+            self._sync_left = {id(g) for g in self.groups if g.topo_has_sync()}
+            self._sync_said = False
+        self._unsubmitted.discard(id(bucket_group))
+        self._sync_left.discard(id(bucket_group))
+        if not self._sync_left and not self._sync_said:  # 2.
+            self._sync_said = True
+            self.engine.sync_done()
+        if not self._unsubmitted:  # 3.
+            self._unsubmitted = None
+            self.engine.all_submitted()
 
 
 class TopoBucketGroup(_BucketGroupBase):
@@ -105,6 +165,15 @@ class TopoBucketGroup(_BucketGroupBase):
                 self._reduce_whole(i, bucket)
         self.topo_dispatched = True
         self.grad_reduce_handle = None
+        self.topo_release.submitted(self)  # may release held LOCAL / reconciliation work (StepRelease)
+
+    def topo_has_sync(self) -> bool:
+        """Whether this group's submission carries SYNC work: every bucket outside `selective` and
+        under the distributed optimizer (the shard's rail hop is a SYNC item even with no SYNC
+        range), else a bucket with a SYNC range."""
+        if not self.topo_engine.selective or self.topo_distopt:
+            return True
+        return any(r[SYNC] for r in self.topo_ranges)
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
         """Complete this iteration's reduction (dispatching it now when the hooks did not)."""
@@ -116,8 +185,6 @@ class TopoBucketGroup(_BucketGroupBase):
                 f"Communication call has not been issued for this bucket "
                 f"({len(self.per_param_grad_ready_counts)}/{len(self.params)} params have grad available)")
         e = self.topo_engine
-        if getattr(self, "topo_last", True):
-            e.all_submitted()  # every bucket of the step was submitted: held LOCAL and reconciliation may go
         try:
             for fut in self.topo_futures:
                 e.wait(fut)

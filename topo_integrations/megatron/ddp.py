@@ -17,8 +17,9 @@ Modes (docs/megatron.md):
   number of islands and Megatron's instances must be the islands; island reduce-scatter and rail
   all-reduce of this rank's shard (Megatron's own parameter all-gather completes it).
 * ``selective`` -- SYNC element ranges reduced over all ranks every step; LOCAL ranges only inside
-  the island (released after the SYNC buckets); every ``local.reconcile_interval`` optimizer steps the
-  engine averages the LOCAL main parameters and their moments across islands
+  the island (released right after the step's last bucket group with SYNC work, during backward
+  with ``--overlap-grad-reduce``: bucket_group.py `StepRelease`); every ``local.reconcile_interval``
+  optimizer steps the engine averages the LOCAL main parameters and their moments across islands
   (optimizer.py: `MegatronReconcileSource`); gradient statistics are global (`prepare_optimizer`).
 * ``flat``, ``enabled: false``, or a topology with a single tier: stock Megatron (nothing swapped).
 
@@ -38,7 +39,7 @@ from ..config import TopoAlignConfig
 from ..reducer.classes import SYNC, layer_indices
 from ..reducer.engine import Engine
 from ..reducer.groups import ReducerGroups
-from .bucket_group import TopoBucketGroup
+from .bucket_group import StepRelease, TopoBucketGroup
 from .compat import CORE_BUILT, check_built, check_core
 from .groups import GroupSet, LayoutError, groups_for_dp_group
 from .layers import global_layer_index
@@ -170,6 +171,8 @@ class TopoAlignDDP(DistributedDataParallel):
             if self.topo_expert_groups is not None:
                 self._topo_check_instances(self.topo_expert_groups, self.intra_expt_dp_group, "expert")
         self._topo_build_engines(cfg)
+        for s in self.topo_slots:  # when each engine's held LOCAL and reconciliation work goes
+            StepRelease.attach(s.engine, s.bucket_groups)
         if cfg.mode == "selective" and cfg.importance.method == "hutchinson":
             self._topo_capture = LossCapture(self.module)
             self.topo_set_loss_closure(self._topo_capture.closure)

@@ -21,7 +21,8 @@ import torch
 
 from .cpu_compat import cuda_available
 
-__all__ = ["TinyGPT", "init_parallel", "build_gpt", "wrap_ddp", "make_optimizer", "run_iteration", "batch_for"]
+__all__ = ["TinyGPT", "init_parallel", "build_gpt", "wrap_ddp", "make_optimizer", "run_iteration", "batch_for",
+           "ReleaseProbe"]
 
 
 @dataclass
@@ -169,3 +170,74 @@ def run_iteration(ddp, spec: TinyGPT, rank: int, step: int, optimizer=None, befo
         ok, norm, _ = optimizer.step()
         out.update(ok=bool(ok), grad_norm=None if norm is None else float(norm))
     return out
+
+
+class ReleaseProbe:
+    """When each gradient collective of a `TopoAlignDDP` was submitted, released and issued,
+    relative to the moment Megatron's ``finish_grad_sync`` began (the end of backward).
+
+    Wraps the process schedule's ``item`` and ``release`` (reducer/schedule.py) and the DDP's
+    ``finish_grad_sync`` on these instances only. Call `start` before an iteration and `step` after
+    it: per class, how many items were released (handed to the issuing thread, a position in the
+    program) and started (a time) before backward ended, and the tail from the end of backward to
+    the completion of the step's last gradient collective.
+    """
+
+    def __init__(self, ddp):
+        import time
+
+        self._clock = time.perf_counter
+        self._items: list = []
+        self._released: dict[int, float] = {}
+        self.t_finish: float | None = None
+        for sched in {id(e.dispatcher.sched): e.dispatcher.sched for e in ddp.topo_engines}.values():
+            self._wrap(sched)
+        finish = ddp.finish_grad_sync
+
+        def timed_finish(*a, **k):
+            if self.t_finish is None:
+                self.t_finish = self._clock()
+            return finish(*a, **k)
+
+        ddp.finish_grad_sync = timed_finish
+
+    def _wrap(self, sched) -> None:
+        item, release = sched.item, sched.release
+
+        def recorded_item(*a, **k):
+            it = item(*a, **k)
+            self._items.append(it)
+            return it
+
+        def recorded_release(items):
+            now = self._clock()
+            for it in items:
+                self._released.setdefault(id(it), now)
+            return release(items)
+
+        sched.item, sched.release = recorded_item, recorded_release
+
+    def start(self) -> None:
+        self._items, self._released, self.t_finish = [], {}, None
+
+    def step(self) -> dict[str, Any]:
+        """This iteration's figures (plain values; times in seconds from the end of backward)."""
+        grads = [it for it in self._items if it.traffic in ("sync", "local")]
+        t0 = self.t_finish if self.t_finish is not None else self._clock()
+        out: dict[str, Any] = {}
+        for cls in ("sync", "local"):
+            mine = [it for it in grads if it.traffic == cls]
+            out[cls] = len(mine)
+            out[f"{cls}_released_before"] = sum(self._released.get(id(it), t0) < t0 for it in mine)
+            out[f"{cls}_started_before"] = sum(it.started is not None and it.started < t0 for it in mine)
+        # The priority rule: no LOCAL item leaves before the step's last SYNC item was submitted.
+        last_sync = max((it.submitted for it in grads if it.traffic == "sync"), default=None)
+        out["local_after_last_sync"] = all(last_sync is None or self._released.get(id(it), last_sync) >= last_sync
+                                           for it in grads if it.traffic == "local")
+        # Released while later buckets were still to come: inside backward, not at its end.
+        last_submit = max((it.submitted for it in grads), default=None)
+        out["local_released_before_last_bucket"] = sum(
+            self._released.get(id(it), t0) < last_submit for it in grads if it.traffic == "local")
+        done = [it.finished for it in grads if it.finished is not None]
+        out["tail_s"] = max(done) - t0 if done else None
+        return out
