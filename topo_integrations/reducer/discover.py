@@ -227,7 +227,7 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
     log.info("topo_align: discovered topology\n%s", format_topology(topo))
     try:
         plan: Any = plan_groups(topo, group_by=cfg.topology.group_by, min_tier_ratio=cfg.topology.min_tier_ratio,
-                                middle_level=cfg.topology.middle_level)
+                                middle_level=cfg.topology.middle_level, mode=cfg.mode)
         from .groups import require_middle_level
 
         require_middle_level(cfg, plan)

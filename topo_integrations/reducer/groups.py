@@ -426,7 +426,7 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
             topo = _load_topology(cfg, hosts, len(dp_ranks))
             result = plan_groups(topo, group_by=cfg.topology.group_by,
                                  min_tier_ratio=cfg.topology.min_tier_ratio,
-                                 middle_level=cfg.topology.middle_level)
+                                 middle_level=cfg.topology.middle_level, mode=cfg.mode)
             require_middle_level(cfg, result)
         except (TopologyError, ValueError) as exc:
             kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
