@@ -235,4 +235,7 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
         return _error(exc), src
     log.info("topo_align: plan: %s -- %s", "hierarchical" if plan.hierarchical else "one flat all-reduce",
              plan.reason)
+    from .groups import log_plan_notes
+
+    log_plan_notes(plan)
     return plan, src
