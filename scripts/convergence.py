@@ -422,8 +422,10 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
             "drift": {k: st["drift"][k] for k in ("history", "promoted", "max")}}
 
 
-def _rank_main(rank: int, world: int, task_name: str, seed: int, runs: list, params: dict,
+def _rank_main(rank: int, world: int, task_name: str, seed: int | list[int], runs: list, params: dict,
                layout: str = "2x2") -> list[dict]:
+    """Every run of ``runs`` from ``seed`` (or from each seed of a list, one after another in this
+    world: the ranks start once)."""
     import torch
     torch.set_num_threads(1)
     os.environ[HOSTNAME_ENV] = f"node{rank // layout_of(layout)[1]}"
@@ -434,16 +436,17 @@ def _rank_main(rank: int, world: int, task_name: str, seed: int, runs: list, par
     if not plan.hierarchical:
         raise RuntimeError(f"layout {layout}: the plan is flat ({plan.reason})")
     groups = build_groups(plan, timeout_s=300)
-    task = make_task(task_name, seed, world=world)
     out = []
-    for name, mode, overrides in runs:
-        r = train_one(rank, task, groups, mode, overrides, seed=seed, **params)
-        out.append({"task": task_name, "seed": seed, "layout": layout, "name": name, "configured_mode": mode,
-                    "overrides": overrides, **r})
+    for s in (seed if isinstance(seed, list) else [seed]):
+        task = make_task(task_name, s, world=world)
+        for name, mode, overrides in runs:
+            r = train_one(rank, task, groups, mode, overrides, seed=s, **params)
+            out.append({"task": task_name, "seed": s, "layout": layout, "name": name, "configured_mode": mode,
+                        "overrides": overrides, **r})
     return out
 
 
-def run_grid(task_name: str, seed: int, runs: list, *, steps: int | None = None, timeout: float = 3600,
+def run_grid(task_name: str, seed: int | list[int], runs: list, *, steps: int | None = None, timeout: float = 3600,
              layout: str = "2x2") -> list[dict]:
     from topo_integrations.testing import run_world
     p = dict(TASKS[task_name])
@@ -554,7 +557,49 @@ def report(results: list[dict], img_dir: Path) -> str:
         fig.savefig(png, dpi=90)
         plt.close(fig)
         lines += [f"![{task} curves](img/{png.name})", ""]
+    if len(layouts) > 1:
+        lines += layouts_table(results)
     return "\n".join(lines)
+
+
+def layouts_table(results: list[dict]) -> list[str]:
+    """One table over every layout (docs/convergence.md, "Many islands"): per task and run, each
+    layout's per-seed metric, mean, gap to flat of the same layout and seeds (mean, per seed), the SYNC
+    share at the end and the slow-tier payload per step of seed 0's run."""
+    import statistics
+
+    layouts = sorted({r.get("layout", "2x2") for r in results}, key=lambda k: LAYOUTS.get(k, (0, 0)))
+    lines = ["### All layouts", "", "| task | layout | run | metric (per seed) | mean | vs flat, mean (per seed) "
+             "| SYNC share | slow-tier payload/step |", "|---|---|---|---|---|---|---|---|"]
+    for task in ("gpt16", "gpt", "digits"):
+        loss = task in LOSS_TASKS
+        names = list(dict.fromkeys(r["name"] for r in results if r["task"] == task))
+        for name in names:
+            for lay in layouts:
+                rr = sorted((r for r in results if r["task"] == task and r.get("layout", "2x2") == lay
+                             and r["name"] == name), key=lambda r: r["seed"])
+                if not rr:
+                    continue
+                flat = {r["seed"]: r["final"] for r in results if r["task"] == task
+                        and r.get("layout", "2x2") == lay and r["name"] == "flat"}
+                scale, nd = (1, 4) if loss else (100, 2)
+                vals = ", ".join(f"{r['final'] * scale:.{nd}f}" for r in rr) + ("" if loss else " %")
+                mean = statistics.mean(r["final"] for r in rr) * scale
+                gaps = [rel_gap(task, r["final"], flat[r["seed"]]) for r in rr if r["seed"] in flat]
+                unit = " %" if loss else " points"
+                if name == "flat":
+                    g = "0"
+                elif gaps:
+                    g = f"{statistics.mean(gaps):+.2f}{unit}" + (
+                        f" ({', '.join(f'{x:+.2f}' for x in gaps)})" if len(gaps) > 1 else "")
+                else:
+                    g = "– (no flat run of these seeds)"
+                r0 = rr[0]
+                share = r0["sync_elements"] / (r0["sync_elements"] + r0["local_elements"])
+                pay = r0["inter_bytes"] / r0["curve"][-1][0] / 1024
+                lines.append(f"| {task} | {lay} | {name} | {vals} | {mean:.{nd}f} | {g} | {share:.2f} "
+                             f"| {pay:.1f} KiB |")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -570,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")
     ap.add_argument("--steps", type=int, default=None, help="override the task's step count")
+    ap.add_argument("--shared-world", action="store_true",
+                    help="run all seeds of a task in one world (the ranks start once; results.json is "
+                         "written per task instead of per seed)")
     ap.add_argument("--out", default="runs/convergence", help="folder for results.json")
     ap.add_argument("--report", metavar="DIR", nargs="+", help="only write the report of DIR/results.json (merged)")
     ap.add_argument("--img-dir", default="docs/img")
@@ -585,15 +633,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    jobs = [(t, s, args.grid) for s in args.seeds for t in args.tasks]
-    jobs += [(t, s, "key") for s in args.key_seeds for t in args.tasks]
+    if args.shared_world:  # all seeds of a task in one world
+        jobs = [(t, list(args.seeds), args.grid) for t in args.tasks]
+        jobs += [(t, list(args.key_seeds), "key") for t in args.tasks if args.key_seeds]
+    else:
+        jobs = [(t, s, args.grid) for s in args.seeds for t in args.tasks]
+        jobs += [(t, s, "key") for s in args.key_seeds for t in args.tasks]
     for task, seed, kind in jobs:
         t0 = time.perf_counter()
         runs = grid(kind)
         base = {"0.1": BASE_0_1, "issue15": BASE_ISSUE15, "fp32-moments": BASE_FP32_MOMENTS}.get(args.base)
         if base:
             runs = [(n, m, {**base, **o} if m == "selective" else o) for n, m, o in runs]
-        rs = run_grid(task, seed, runs, steps=args.steps, layout=args.layout)
+        n_seeds = len(seed) if isinstance(seed, list) else 1
+        rs = run_grid(task, seed, runs, steps=args.steps, layout=args.layout, timeout=3600 * n_seeds)
         results += rs
         (out / "results.json").write_text(json.dumps(results, indent=1))
         print(f"{task} seed {seed} grid {kind} layout {args.layout}: {len(rs)} runs in "
