@@ -93,6 +93,8 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
         return [runs[0], runs[2]]
     if kind == "islands":  # issue 31: flat, the default and the default + DiLoCo's outer optimizer
         return [runs[0], runs[2], ("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
+    if kind == "default":  # the default alone (flat is the same in every layout: measured once)
+        return [runs[2]]
     if kind == "islands-outer":  # issue 31: the outer optimizer alone (flat/default measured before)
         return [("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
@@ -569,7 +571,8 @@ def layouts_table(results: list[dict]) -> list[str]:
     import statistics
 
     layouts = sorted({r.get("layout", "2x2") for r in results}, key=lambda k: LAYOUTS.get(k, (0, 0)))
-    lines = ["### All layouts", "", "| task | layout | run | metric (per seed) | mean | vs flat, mean (per seed) "
+    lines = ["### All layouts", "", "| task | layout | run | metric (per seed) | mean | vs flat, mean (per seed): "
+             "loss %, accuracy points "
              "| SYNC share | slow-tier payload/step |", "|---|---|---|---|---|---|---|---|"]
     for task in ("gpt16", "gpt", "digits"):
         loss = task in LOSS_TASKS
@@ -582,16 +585,26 @@ def layouts_table(results: list[dict]) -> list[str]:
                     continue
                 flat = {r["seed"]: r["final"] for r in results if r["task"] == task
                         and r.get("layout", "2x2") == lay and r["name"] == "flat"}
+                other = ""
+                if not flat:  # flat trains on the same global batches in every layout
+                    for lay2 in layouts:
+                        flat = {r["seed"]: r["final"] for r in results if r["task"] == task
+                                and r.get("layout", "2x2") == lay2 and r["name"] == "flat"}
+                        if flat:
+                            other = f" (flat of {lay2})"
+                            break
                 scale, nd = (1, 4) if loss else (100, 2)
                 vals = ", ".join(f"{r['final'] * scale:.{nd}f}" for r in rr) + ("" if loss else " %")
                 mean = statistics.mean(r["final"] for r in rr) * scale
-                gaps = [rel_gap(task, r["final"], flat[r["seed"]]) for r in rr if r["seed"] in flat]
+                # loss: relative increase in %; accuracy: the difference in points (negative = worse)
+                gaps = [rel_gap(task, r["final"], flat[r["seed"]]) * (1 if loss else -1) + 0.0 for r in rr
+                        if r["seed"] in flat]
                 unit = " %" if loss else " points"
                 if name == "flat":
                     g = "0"
                 elif gaps:
                     g = f"{statistics.mean(gaps):+.2f}{unit}" + (
-                        f" ({', '.join(f'{x:+.2f}' for x in gaps)})" if len(gaps) > 1 else "")
+                        f" ({', '.join(f'{x:+.2f}' for x in gaps)})" if len(gaps) > 1 else "") + other
                 else:
                     g = "– (no flat run of these seeds)"
                 r0 = rr[0]
@@ -608,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
                              "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
-                             "moments16", "islands", "islands-outer"])
+                             "moments16", "islands", "islands-outer", "default"])
     ap.add_argument("--layout", default="2x2", choices=sorted(LAYOUTS),
                     help="islands x ranks per island (virtual nodes): 2x2 on 4 ranks, 4x2 and 8x1 on 8")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
