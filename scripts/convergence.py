@@ -3,8 +3,10 @@
 
 Trains the same model from the same seed on the same global batches under `flat` (the reference),
 `hierarchical` and `selective` with a one-factor-at-a-time grid around the default config, on two
-tasks, with the framework-free GroupedReducer on 4 gloo ranks in 2 groups (2 virtual nodes x 2,
-faked with TOPO_ALIGN_HOSTNAME):
+tasks, with the framework-free GroupedReducer on gloo ranks in virtual nodes (faked with
+TOPO_ALIGN_HOSTNAME), laid out by `--layout` ISLANDSxRANKS: 2x2 (4 ranks, the default), 4x2 or 8x1
+(8 ranks). The global batch is the same in every layout (each rank takes 1/world of it), so a layout
+changes only how many replicas train between reconciliations and how big each one's share is:
 
   gpt     the launch scripts' model (topo_integrations.train.model.GPT, 8 layers, hidden 64) on the
           bundled byte-level corpus (the Python standard library's sources,
@@ -17,10 +19,11 @@ another), so the wall time is the training, not process start-up.
 
   .venv/bin/python scripts/convergence.py --grid full --seeds 0 1 --out runs/convergence
   .venv/bin/python scripts/convergence.py --report runs/convergence   # tables + PNGs into docs/
+  .venv/bin/python scripts/convergence.py --layout 8x1 --grid islands --tasks gpt --seeds 0 --out runs/isl
 
 The final metric of every run is measured after a blocking reconciliation (what a checkpoint save
 does), so `selective` is judged on the model a user would keep. Curves in between show the mean
-over the 4 replicas of the metric of each rank's own replica.
+over the replicas of the metric of each rank's own replica.
 """
 
 from __future__ import annotations
@@ -34,8 +37,19 @@ import time
 from pathlib import Path
 
 HOSTNAME_ENV = "TOPO_ALIGN_HOSTNAME"
-WORLD = 4
-GROUP = 2
+WORLD = 4  # ranks of the default layout (2x2); a task's global batch is its micro_batch x WORLD
+
+# --layout: islands x ranks per island. 8x1 (islands of one rank) plans two levels for `selective`
+# only (topology/planner.py): LOCAL tensors are then each rank's own between reconciliations.
+LAYOUTS = {"2x2": (2, 2), "4x2": (4, 2), "8x1": (8, 1)}
+
+
+def layout_of(name: str) -> tuple[int, int]:
+    """(world, ranks per island) of a layout name such as ``4x2``."""
+    if name not in LAYOUTS:
+        raise ValueError(f"--layout {name!r}; expected one of {', '.join(LAYOUTS)}")
+    islands, per = LAYOUTS[name]
+    return islands * per, per
 
 # The `local` defaults of 0.1.x: the tables of docs/convergence.md measured with 0.1.0 used them
 # (`--base 0.1` puts them under every selective run's overrides to reproduce those tables).
@@ -56,6 +70,12 @@ TASKS = {
     "digits": {"steps": 200, "eval_every": 20, "lr": 2e-3, "warmup": 10, "micro_batch": 16},
     "gpt16": {"steps": 400, "eval_every": 50, "lr": 3e-3, "warmup": 20, "micro_batch": 8},
 }
+# micro_batch is per rank at WORLD ranks: the global batch (micro_batch x WORLD) stays fixed in
+# every layout, so flat trains on the same batches whatever the layout.
+
+# DiLoCo's outer optimizer (Nesterov on the reconciled delta; arXiv 2311.08105, 2509.10439: lr 0.7,
+# momentum 0.9), on top of the defaults.
+DILOCO_OUTER = {"local.outer_lr": 0.7, "local.outer_momentum": 0.9}
 
 
 def grid(kind: str) -> list[tuple[str, str, dict]]:
@@ -71,6 +91,12 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
             ("local.moments_interval", 1), ("local.reconcile_interval", 4))]
     if kind == "probe":
         return [runs[0], runs[2]]
+    if kind == "islands":  # issue 31: flat, the default and the default + DiLoCo's outer optimizer
+        return [runs[0], runs[2], ("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
+    if kind == "default":  # the default alone (flat is the same in every layout: measured once)
+        return [runs[2]]
+    if kind == "islands-outer":  # issue 31: the outer optimizer alone (flat/default measured before)
+        return [("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
         return [runs[2], ("sync.dtype=bf16", "selective", {"sync.dtype": "bf16"})]
     if kind == "wire8":  # issue 25: reconciliation deltas on the int8 wire, alone and with a 16-bit SYNC wire
@@ -88,7 +114,7 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
     if kind in ("key", "ci"):
         return runs if kind == "key" else [runs[0], runs[2]]
     if kind != "full":
-        raise ValueError(f"--grid {kind!r}; expected 'full', 'key', 'ci', 'deep' or 'probe'")
+        raise ValueError(f"--grid {kind!r}; expected 'full', 'key', 'ci', 'deep', 'islands' or 'probe'")
     for v in (0.0, 0.05, 0.5):
         runs.append((f"top_fraction={v}", "selective", {"sync.top_fraction": v}))
     for v in (0, 2):
@@ -176,7 +202,8 @@ class GPTTask:
 
     name, metric, higher_is_better = "gpt", "val_loss", False
 
-    def __init__(self, seed: int, corpus_bytes: int = 1 << 19, val_seqs: int = 64, num_layers: int = 8):
+    def __init__(self, seed: int, corpus_bytes: int = 1 << 19, val_seqs: int = 64, num_layers: int = 8,
+                 world: int = WORLD):
         import torch
 
         from topo_integrations.train.data import ByteTokenizer, collect_stdlib_corpus
@@ -200,7 +227,7 @@ class GPTTask:
         starts = torch.randint(0, len(self.valid) - L - 1, (val_seqs,), generator=g)
         self.val_x = torch.stack([self.valid[s:s + L] for s in starts.tolist()])
         self.val_y = torch.stack([self.valid[s + 1:s + L + 1] for s in starts.tolist()])
-        self.seed = seed
+        self.seed, self.world = seed, world
 
     def model(self):
         from topo_integrations.train.model import GPT
@@ -211,7 +238,7 @@ class GPTTask:
         import torch
         L = self.cfg.seq_length
         g = torch.Generator().manual_seed(1_000_003 * self.seed + step)
-        starts = torch.randint(0, len(self.train) - L - 1, (micro * WORLD,), generator=g)[
+        starts = torch.randint(0, len(self.train) - L - 1, (micro * self.world,), generator=g)[
             rank * micro : (rank + 1) * micro
         ]
         x = torch.stack([self.train[s:s + L] for s in starts.tolist()])
@@ -222,9 +249,9 @@ class GPTTask:
         return model(x, y)
 
     def evaluate(self, model, rank: int) -> dict:
-        """This rank's quarter of the validation windows: (sum of losses, count)."""
+        """This rank's share of the validation windows: (sum of losses, count)."""
         import torch
-        n = len(self.val_x) // WORLD
+        n = len(self.val_x) // self.world
         with torch.no_grad():
             loss = model(self.val_x[rank * n:(rank + 1) * n], self.val_y[rank * n:(rank + 1) * n])
         return {"sum": float(loss) * n, "n": n}
@@ -235,7 +262,7 @@ class DigitsTask:
 
     name, metric, higher_is_better = "digits", "accuracy", True
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, world: int = WORLD):
         import numpy as np
         import torch
         from sklearn.datasets import load_digits
@@ -252,7 +279,7 @@ class DigitsTask:
         mask = torch.zeros(len(y), dtype=torch.bool)
         mask[test_idx] = True
         self.Xtr, self.ytr, self.Xte, self.yte = X[~mask], y[~mask], X[mask], y[mask]
-        self.seed = seed
+        self.seed, self.world = seed, world
 
     def model(self):
         import torch.nn as nn
@@ -286,7 +313,7 @@ class DigitsTask:
     def batch(self, step: int, rank: int, micro: int):
         import torch
         g = torch.Generator().manual_seed(1_000_003 * self.seed + step)
-        idx = torch.randint(0, len(self.ytr), (micro * WORLD,), generator=g)[rank * micro:(rank + 1) * micro]
+        idx = torch.randint(0, len(self.ytr), (micro * self.world,), generator=g)[rank * micro:(rank + 1) * micro]
         return self.Xtr[idx], self.ytr[idx]
 
     def loss(self, model, x, y):
@@ -294,9 +321,9 @@ class DigitsTask:
         return F.cross_entropy(model(x), y)
 
     def evaluate(self, model, rank: int) -> dict:
-        """This rank's quarter of the held-out split: (correct, count)."""
+        """This rank's share of the held-out split: (correct, count)."""
         import torch
-        n = math.ceil(len(self.yte) / WORLD)
+        n = math.ceil(len(self.yte) / self.world)
         x, y = self.Xte[rank * n:(rank + 1) * n], self.yte[rank * n:(rank + 1) * n]
         with torch.no_grad():
             correct = int((model(x).argmax(-1) == y).sum())
@@ -309,12 +336,12 @@ class DeepGPTTask(GPTTask):
 
     name = "gpt16"
 
-    def __init__(self, seed: int):
-        super().__init__(seed, num_layers=16)
+    def __init__(self, seed: int, world: int = WORLD):
+        super().__init__(seed, num_layers=16, world=world)
 
 
-def make_task(name: str, seed: int):
-    return {"gpt": GPTTask, "gpt16": DeepGPTTask, "digits": DigitsTask}[name](seed)
+def make_task(name: str, seed: int, world: int = WORLD):
+    return {"gpt": GPTTask, "gpt16": DeepGPTTask, "digits": DigitsTask}[name](seed, world=world)
 
 
 # ---------------------------------------------------------------------------- one run on every rank
@@ -383,7 +410,7 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
             curve.append((s + 1, _agreed_metric(task, model, rank)))
             t = torch.tensor([ema], dtype=torch.float64)
             dist.all_reduce(t)
-            train_curve.append((s + 1, float(t) / WORLD))
+            train_curve.append((s + 1, float(t) / dist.get_world_size()))
     red.reconcile(opt)  # what a checkpoint save does: judge the model a user keeps
     red.verify_consistency()
     final = _agreed_metric(task, model, rank)
@@ -397,29 +424,44 @@ def train_one(rank: int, task, groups, mode: str, overrides: dict, *, steps: int
             "drift": {k: st["drift"][k] for k in ("history", "promoted", "max")}}
 
 
-def _rank_main(rank: int, world: int, task_name: str, seed: int, runs: list, params: dict) -> list[dict]:
+def _rank_main(rank: int, world: int, task_name: str, seed: int | list[int], runs: list, params: dict,
+               layout: str = "2x2") -> list[dict]:
+    """Every run of ``runs`` from ``seed`` (or from each seed of a list, one after another in this
+    world: the ranks start once)."""
     import torch
     torch.set_num_threads(1)
-    os.environ[HOSTNAME_ENV] = f"node{rank // GROUP}"
+    os.environ[HOSTNAME_ENV] = f"node{rank // layout_of(layout)[1]}"
     from topo_integrations.reducer import build_groups, discover_plan
-    groups = build_groups(discover_plan(make_cfg("hierarchical", {})), timeout_s=300)
-    task = make_task(task_name, seed)
+    # Planned for `selective`: with islands of one rank only that mode keeps two levels; flat runs
+    # on the data-parallel group and hierarchical on the same groups whatever the plan.
+    plan = discover_plan(make_cfg("selective", {}))
+    if not plan.hierarchical:
+        raise RuntimeError(f"layout {layout}: the plan is flat ({plan.reason})")
+    groups = build_groups(plan, timeout_s=300)
     out = []
-    for name, mode, overrides in runs:
-        r = train_one(rank, task, groups, mode, overrides, seed=seed, **params)
-        out.append({"task": task_name, "seed": seed, "name": name, "configured_mode": mode,
-                    "overrides": overrides, **r})
+    for s in (seed if isinstance(seed, list) else [seed]):
+        task = make_task(task_name, s, world=world)
+        for name, mode, overrides in runs:
+            r = train_one(rank, task, groups, mode, overrides, seed=s, **params)
+            out.append({"task": task_name, "seed": s, "layout": layout, "name": name, "configured_mode": mode,
+                        "overrides": overrides, **r})
     return out
 
 
-def run_grid(task_name: str, seed: int, runs: list, *, steps: int | None = None, timeout: float = 3600) -> list[dict]:
+def run_grid(task_name: str, seed: int | list[int], runs: list, *, steps: int | None = None, timeout: float = 3600,
+             layout: str = "2x2") -> list[dict]:
     from topo_integrations.testing import run_world
     p = dict(TASKS[task_name])
+    world, _ = layout_of(layout)
+    global_batch = p["micro_batch"] * WORLD
+    if global_batch % world:
+        raise ValueError(f"layout {layout}: {task_name}'s global batch {global_batch} does not split over "
+                         f"{world} ranks")
     params = {"steps": steps or p["steps"], "eval_every": p["eval_every"], "lr": p["lr"], "warmup": p["warmup"],
-              "micro": p["micro_batch"]}
+              "micro": global_batch // world}
     if steps:
         params["eval_every"] = max(1, steps // 5)
-    res = run_world(WORLD, _rank_main, task_name, seed, runs, params, timeout=timeout,
+    res = run_world(world, _rank_main, task_name, seed, runs, params, layout, timeout=timeout,
                     env={"OMP_NUM_THREADS": "1"})
     return res[0]
 
@@ -434,8 +476,14 @@ def rel_gap(task: str, run: float, ref: float) -> float:
     return (run - ref) / ref * 100 if task in LOSS_TASKS else (ref - run) * 100
 
 
+def layout_title(layout: str) -> str:
+    islands, per = LAYOUTS.get(layout, (0, 0))
+    return f"{layout}: {islands} islands x {per} rank{'s' if per > 1 else ''}, {islands * per} gloo ranks"
+
+
 def report(results: list[dict], img_dir: Path) -> str:
-    """Markdown tables (and PNG curves into ``img_dir``) of every run, grouped by task."""
+    """Markdown tables (and PNG curves into ``img_dir``) of every run, grouped by layout and task
+    (results written before `--layout` existed are 2x2)."""
     import statistics
 
     import matplotlib
@@ -444,15 +492,17 @@ def report(results: list[dict], img_dir: Path) -> str:
 
     img_dir.mkdir(parents=True, exist_ok=True)
     lines = []
-    for task in ("gpt", "gpt16", "digits"):
-        rs = [r for r in results if r["task"] == task]
+    layouts = list(dict.fromkeys(r.get("layout", "2x2") for r in results))
+    for layout, task in ((lay, t) for lay in layouts for t in ("gpt", "gpt16", "digits")):
+        rs = [r for r in results if r["task"] == task and r.get("layout", "2x2") == layout]
         if not rs:
             continue
         seeds = sorted({r["seed"] for r in rs})
         names = list(dict.fromkeys(r["name"] for r in rs))
         unit = "val loss" if task in LOSS_TASKS else "accuracy %"
         gap = "loss vs flat, %" if task in LOSS_TASKS else "accuracy drop vs flat, points"
-        lines += [f"### {task}", "", f"| run | {unit} (per seed) | mean | {gap} | SYNC share | slow-tier payload/step |"
+        lines += [f"### {task} ({layout_title(layout)})", "",
+                  f"| run | {unit} (per seed) | mean | {gap} | SYNC share | slow-tier payload/step |"
                   " max drift | wall s |", "|---|---|---|---|---|---|---|---|"]
         ref = {s: next(r["final"] for r in rs if r["name"] == "flat" and r["seed"] == s) for s in seeds
                if any(r["name"] == "flat" and r["seed"] == s for r in rs)}
@@ -503,13 +553,66 @@ def report(results: list[dict], img_dir: Path) -> str:
                 ax.set_ylim(top=min(ax.get_ylim()[1], 3.5))
             else:
                 ax.set_ylim(bottom=max(ax.get_ylim()[0], 80))
-        fig.suptitle(f"{task}: {unit}, seed {seeds[0]}, 4 gloo ranks (2 groups x 2), 2-core CPU", fontsize=10)
+        fig.suptitle(f"{task}: {unit}, seed {seeds[0]}, {layout_title(layout)}, 2-core CPU", fontsize=10)
         fig.tight_layout()
-        png = img_dir / f"convergence_{task}.png"
+        png = img_dir / (f"convergence_{task}.png" if layout == "2x2" else f"convergence_{task}_{layout}.png")
         fig.savefig(png, dpi=90)
         plt.close(fig)
         lines += [f"![{task} curves](img/{png.name})", ""]
+    if len(layouts) > 1:
+        lines += layouts_table(results)
     return "\n".join(lines)
+
+
+def layouts_table(results: list[dict]) -> list[str]:
+    """One table over every layout (docs/convergence.md, "Many islands"): per task and run, each
+    layout's per-seed metric, mean, gap to flat of the same layout and seeds (mean, per seed), the SYNC
+    share at the end and the slow-tier payload per step of seed 0's run."""
+    import statistics
+
+    layouts = sorted({r.get("layout", "2x2") for r in results}, key=lambda k: LAYOUTS.get(k, (0, 0)))
+    lines = ["### All layouts", "", "| task | layout | run | metric (per seed) | mean | vs flat, mean (per seed): "
+             "loss %, accuracy points "
+             "| SYNC share | slow-tier payload/step |", "|---|---|---|---|---|---|---|---|"]
+    for task in ("gpt16", "gpt", "digits"):
+        loss = task in LOSS_TASKS
+        names = list(dict.fromkeys(r["name"] for r in results if r["task"] == task))
+        for name in names:
+            for lay in layouts:
+                rr = sorted((r for r in results if r["task"] == task and r.get("layout", "2x2") == lay
+                             and r["name"] == name), key=lambda r: r["seed"])
+                if not rr:
+                    continue
+                flat = {r["seed"]: r["final"] for r in results if r["task"] == task
+                        and r.get("layout", "2x2") == lay and r["name"] == "flat"}
+                other = ""
+                if not flat:  # flat trains on the same global batches in every layout
+                    for lay2 in layouts:
+                        flat = {r["seed"]: r["final"] for r in results if r["task"] == task
+                                and r.get("layout", "2x2") == lay2 and r["name"] == "flat"}
+                        if flat:
+                            other = f" (flat of {lay2})"
+                            break
+                scale, nd = (1, 4) if loss else (100, 2)
+                vals = ", ".join(f"{r['final'] * scale:.{nd}f}" for r in rr) + ("" if loss else " %")
+                mean = statistics.mean(r["final"] for r in rr) * scale
+                # loss: relative increase in %; accuracy: the difference in points (negative = worse)
+                gaps = [rel_gap(task, r["final"], flat[r["seed"]]) * (1 if loss else -1) + 0.0 for r in rr
+                        if r["seed"] in flat]
+                unit = " %" if loss else " points"
+                if name == "flat":
+                    g = "0"
+                elif gaps:
+                    g = f"{statistics.mean(gaps):+.2f}{unit}" + (
+                        f" ({', '.join(f'{x:+.2f}' for x in gaps)})" if len(gaps) > 1 else "") + other
+                else:
+                    g = "– (no flat run of these seeds)"
+                r0 = rr[0]
+                share = r0["sync_elements"] / (r0["sync_elements"] + r0["local_elements"])
+                pay = r0["inter_bytes"] / r0["curve"][-1][0] / 1024
+                lines.append(f"| {task} | {lay} | {name} | {vals} | {mean:.{nd}f} | {g} | {share:.2f} "
+                             f"| {pay:.1f} KiB |")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -518,11 +621,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
                              "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
-                             "moments16"])
+                             "moments16", "islands", "islands-outer", "default"])
+    ap.add_argument("--layout", default="2x2", choices=sorted(LAYOUTS),
+                    help="islands x ranks per island (virtual nodes): 2x2 on 4 ranks, 4x2 and 8x1 on 8")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--key-seeds", nargs="*", type=int, default=[],
                     help="extra seeds that run only the key configurations (flat, hierarchical, selective-default)")
     ap.add_argument("--steps", type=int, default=None, help="override the task's step count")
+    ap.add_argument("--shared-world", action="store_true",
+                    help="run all seeds of a task in one world (the ranks start once; results.json is "
+                         "written per task instead of per seed)")
     ap.add_argument("--out", default="runs/convergence", help="folder for results.json")
     ap.add_argument("--report", metavar="DIR", nargs="+", help="only write the report of DIR/results.json (merged)")
     ap.add_argument("--img-dir", default="docs/img")
@@ -538,18 +646,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    jobs = [(t, s, args.grid) for s in args.seeds for t in args.tasks]
-    jobs += [(t, s, "key") for s in args.key_seeds for t in args.tasks]
+    if args.shared_world:  # all seeds of a task in one world
+        jobs = [(t, list(args.seeds), args.grid) for t in args.tasks]
+        jobs += [(t, list(args.key_seeds), "key") for t in args.tasks if args.key_seeds]
+    else:
+        jobs = [(t, s, args.grid) for s in args.seeds for t in args.tasks]
+        jobs += [(t, s, "key") for s in args.key_seeds for t in args.tasks]
     for task, seed, kind in jobs:
         t0 = time.perf_counter()
         runs = grid(kind)
         base = {"0.1": BASE_0_1, "issue15": BASE_ISSUE15, "fp32-moments": BASE_FP32_MOMENTS}.get(args.base)
         if base:
             runs = [(n, m, {**base, **o} if m == "selective" else o) for n, m, o in runs]
-        rs = run_grid(task, seed, runs, steps=args.steps)
+        n_seeds = len(seed) if isinstance(seed, list) else 1
+        rs = run_grid(task, seed, runs, steps=args.steps, layout=args.layout, timeout=3600 * n_seeds)
         results += rs
         (out / "results.json").write_text(json.dumps(results, indent=1))
-        print(f"{task} seed {seed} grid {kind}: {len(rs)} runs in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{task} seed {seed} grid {kind} layout {args.layout}: {len(rs)} runs in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
         for r in rs:
             print(f"  {r['name']:<32} {r['final']:.4f}  ({r['wall_s']:.0f} s)", flush=True)
     print(report(results, Path(args.img_dir)))

@@ -111,3 +111,20 @@ def test_16384_ranks_under_2s_and_200mb():
     # tracemalloc slows allocation-heavy code ~2x; the bounds hold with it on, on a shared 2-core box.
     assert elapsed < 2.0, f"planning 16,384 ranks took {elapsed:.2f} s"
     assert peak < 200 * 1024 * 1024, f"planning 16,384 ranks peaked at {peak / 2**20:.0f} MiB"
+
+
+def test_islands_of_one_rank_selective_keeps_two_levels():
+    """Islands of one rank: flat for any mode but `selective`, which keeps groups of one and one rail
+    of every rank (local SGD per rank between reconciliations) when the tiers differ, with a note."""
+    topo = load_topology_file(CONFIGS / "virtual-4x1.json")
+    for mode in (None, "flat", "hierarchical"):
+        plan = plan_groups(topo, mode=mode)
+        assert not plan.hierarchical and "every island holds one rank" in plan.reason
+    sel = plan_groups(topo, mode="selective")
+    assert sel.hierarchical and shape(sel.intra_groups) == (4, [1]) and sel.inter_groups == ((0, 1, 2, 3),)
+    assert (sel.intra_tier, sel.inter_tier, sel.tier_ratio) == ("island", "leaf", pytest.approx(20.0))
+    assert any("mode 'selective' keeps two levels" in n for n in sel.notes)
+    assert Plan.from_json(sel.to_json()) == sel
+    # tiers within min_tier_ratio: flat for selective too
+    same = plan_groups(topo, mode="selective", min_tier_ratio=25.0)
+    assert not same.hierarchical and "< min_tier_ratio 25" in same.reason

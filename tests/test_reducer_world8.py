@@ -1,6 +1,7 @@
 """The reducer on 8 gloo ranks (one world for the module): groups of 2 (4 nodes) and of 4 (2 nodes),
-8 islands of one rank (a bf16 rail of 8: one rounding per sender and one of the sum), an unequal
-layout refused, and a short selective run checking invariant 1 on every step."""
+8 islands of one rank (a bf16 rail of 8: one rounding per sender and one of the sum; `selective`
+planned there: local SGD per rank between reconciliations), an unequal layout refused, and a short
+selective run checking invariant 1 on every step."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def _rank_main(rank, world):
         res[name]["sel_inter_bytes"] = red.stats()["total"]["bytes"]["inter"]
         red.close()
         dist.barrier()
+    res["g1"] = _selective_islands_of_one(rank, world)
     res["leaf3"] = _three_level(rank, world)
     res["islands8"] = _eight_islands(rank, world)
     os.environ[HOSTNAME_ENV] = UNEQUAL[rank]
@@ -51,6 +53,34 @@ def _rank_main(rank, world):
     except PlanError as exc:
         res["unequal"] = str(exc)
     return res
+
+
+def _selective_islands_of_one(rank, world):
+    """8 islands of one rank: `selective` plans two levels (groups of one, one rail of 8), LOCAL
+    replicas differ between reconciliations and agree after one; `hierarchical` on the same
+    hostnames plans flat."""
+    from topo_integrations.reducer import build_groups, discover_plan
+    from topo_integrations.torch import GroupedReducer
+
+    os.environ[HOSTNAME_ENV] = f"node{rank}"
+    hier = discover_plan(cfg_of(mode="hierarchical"))
+    cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1, local__reconcile_interval=3,
+                 local__async_reconcile=False)
+    plan = discover_plan(cfg)
+    g = build_groups(plan, timeout_s=60)
+    model = make(11)
+    red = GroupedReducer(model, cfg, groups=g)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, red, opt, rank, 0, 8, verify=True)  # step 8 (index 7) is not a reconciliation step
+    differ = not same_on(list(range(world)), flat_params(model))
+    train(model, red, opt, rank, 8, 9, verify=True)
+    out = {"hier_plan": (hier.hierarchical, hier.reason), "plan": (plan.hierarchical, plan.notes),
+           "sizes": (g.intra_size, g.inter_size), "mode": red.stats()["mode"], "differ_between": differ,
+           "same_after": same_on(list(range(world)), flat_params(model)),
+           "bytes": red.stats()["total"]["bytes"]}
+    red.close()
+    dist.barrier()
+    return out
 
 
 LEAF8 = os.path.join(os.path.dirname(__file__), "..", "configs", "topologies", "virtual-2leaf-8.json")
@@ -153,6 +183,21 @@ def test_selective_8_ranks(world8, layout):
     for res in world8:
         assert res[layout]["sel_all_same_after_reconcile"]  # step 9 is a reconciliation step
         assert res[layout]["sel_inter_bytes"]["sync"] > 0 and res[layout]["sel_inter_bytes"]["reconcile"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_selective_at_8_islands_of_one_rank(world8):
+    """Islands of one rank: `hierarchical` falls back to flat, `selective` runs two levels (the planner's
+    note says so): replicas drift between reconciliations and agree after one, SYNC and the
+    reconciliation cross the rail, no LOCAL gradient crosses any link."""
+    for res in world8:
+        r = res["g1"]
+        assert r["hier_plan"][0] is False and "every island holds one rank" in r["hier_plan"][1]
+        assert r["plan"][0] is True and any("mode 'selective' keeps two levels" in n for n in r["plan"][1])
+        assert r["sizes"] == (1, 8) and r["mode"] == "selective"
+        assert r["differ_between"] and r["same_after"]
+        assert r["bytes"]["inter"]["sync"] > 0 and r["bytes"]["inter"]["reconcile"] > 0
+        assert not r["bytes"]["inter"].get("local") and not r["bytes"]["intra"].get("local")
 
 
 @pytest.mark.timeout(300)

@@ -227,7 +227,7 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
     log.info("topo_align: discovered topology\n%s", format_topology(topo))
     try:
         plan: Any = plan_groups(topo, group_by=cfg.topology.group_by, min_tier_ratio=cfg.topology.min_tier_ratio,
-                                middle_level=cfg.topology.middle_level)
+                                middle_level=cfg.topology.middle_level, mode=cfg.mode)
         from .groups import require_middle_level
 
         require_middle_level(cfg, plan)
@@ -235,4 +235,7 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
         return _error(exc), src
     log.info("topo_align: plan: %s -- %s", "hierarchical" if plan.hierarchical else "one flat all-reduce",
              plan.reason)
+    from .groups import log_plan_notes
+
+    log_plan_notes(plan)
     return plan, src

@@ -384,6 +384,14 @@ def require_middle_level(cfg: TopoAlignConfig, plan: Plan) -> None:
             "or 'slurm') or remove the key")
 
 
+def log_plan_notes(plan: Plan) -> None:
+    """Log (INFO, `topo_align`) the notes that change what a mode does, e.g. `selective` on islands of
+    one rank (LOCAL tensors cross no link between reconciliations)."""
+    for note in plan.notes:
+        if "keeps two levels" in note:
+            log.info("topo_align: %s", note)
+
+
 def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp_group=None) -> Plan:
     """Topology per ``cfg.topology``, planned on the first DP rank and broadcast to the group.
 
@@ -426,8 +434,9 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
             topo = _load_topology(cfg, hosts, len(dp_ranks))
             result = plan_groups(topo, group_by=cfg.topology.group_by,
                                  min_tier_ratio=cfg.topology.min_tier_ratio,
-                                 middle_level=cfg.topology.middle_level)
+                                 middle_level=cfg.topology.middle_level, mode=cfg.mode)
             require_middle_level(cfg, result)
+            log_plan_notes(result)
         except (TopologyError, ValueError) as exc:
             kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
             payload = [("error", kind, str(exc))]

@@ -8,6 +8,11 @@ The plan has
   * a recommended host order (hosts grouped by pod and leaf, so a ring crosses the spine rarely);
   * whether the tiers differ enough (``min_tier_ratio``) for grouping to pay off.
 
+Islands of one rank (one GPU per node, or one per NVLink domain) give `hierarchical` nothing to do
+inside a group, so the plan is flat; for ``mode="selective"`` it keeps two levels (groups of one rank,
+one rail of every rank) when the tiers differ: LOCAL tensors then cross no link between
+reconciliations (local SGD per rank), SYNC tensors and the reconciliation cross the rail.
+
 The plan is deterministic: the same topology and options give the same groups, in the same order,
 on every rank, which `torch.distributed.new_group` requires.
 """
@@ -158,8 +163,16 @@ def plan_groups(
     group_by: str = "island",
     min_tier_ratio: float = 1.3,
     middle_level: bool = False,
+    mode: str | None = None,
 ) -> Plan:
-    """Plan groups for ``topo``; raises :class:`PlanError` where equal groups cannot be formed."""
+    """Plan groups for ``topo``; raises :class:`PlanError` where equal groups cannot be formed.
+
+    ``mode`` is the reducer mode the plan is for (None: any). Where every group holds one rank the
+    plan is flat (one all-reduce: a hierarchy of groups of one is the same ring with more steps),
+    except for ``"selective"``: its LOCAL class needs no intra group (each rank keeps its own replica
+    between reconciliations, i.e. local SGD with a SYNC class), so it keeps two levels, groups of one
+    and one rail of every rank, when the tiers differ by ``min_tier_ratio``, and says so in ``notes``.
+    """
     if group_by not in ("island", "leaf"):
         raise PlanError(f"group_by = {group_by!r}; expected 'island' or 'leaf'")
     present = topo.tiers_present()
@@ -191,7 +204,7 @@ def plan_groups(
     reason = ""
     if len(intra_lists) == 1:
         reason = f"one {group_by} holds all {topo.world_size} ranks: a single tier"
-    elif all(len(g) == 1 for g in intra_lists):
+    elif all(len(g) == 1 for g in intra_lists) and mode != "selective":
         reason = (f"every {group_by} holds one rank: nothing to reduce inside groups"
                   + ("; try group_by 'leaf'" if group_by == "island" and len(leaves) > 1 else ""))
     elif ratio < min_tier_ratio:
@@ -204,6 +217,11 @@ def plan_groups(
                   f"{intra_bw:g} GB/s ({intra_o}) vs inter tier '{inter_tier}' {inter_bw:g} GB/s ({inter_o}) "
                   f"({ratio:.1f}x)")
         inter = _rails(intra_lists)
+        if len(intra_lists[0]) == 1:
+            notes.append(f"every {group_by} holds one rank: mode 'selective' keeps two levels (groups of one "
+                         "rank: LOCAL tensors are not reduced between reconciliations, each rank trains its own "
+                         f"replica; SYNC tensors and the reconciliation cross the rail of all {topo.world_size} "
+                         "ranks)")
     else:
         intra_lists = [list(range(topo.world_size))]
         inter = tuple((r,) for r in range(topo.world_size))
