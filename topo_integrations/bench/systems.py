@@ -256,45 +256,38 @@ LOCAL_METHODS = ("post-local-sgd", "topo-selective", "ds-topo-selective", "ds-to
 """Systems whose replicas differ between groups between averagings (post-local SGD and its
 ``-hN`` variants, selective): validation along the run evaluates the mean of the replicas."""
 
-_H_SUFFIX = "post-local-sgd-h"
+
+
+def _period(key: str, base: str) -> int | None:
+    """The period a ``<base>-hN`` key fixes (N >= 1); 0 for ``base`` itself; None otherwise."""
+    if key == base:
+        return 0
+    tail = key[len(base) + 2:] if key.startswith(base + "-h") else ""
+    return int(tail) if tail.isdigit() and int(tail) >= 1 else None
 
 
 def torchft_period(key: str) -> int | None:
     """The sync period a torchft key fixes: ``torchft-diloco-h16`` -> 16; 0 for the plain keys (the
     bench's default period, as post-local SGD's); None for any other system."""
-    for base in TORCHFT_SYSTEMS:
-        if key == base:
-            return 0
-        tail = key[len(base) + 2:] if key.startswith(base + "-h") else ""
-        if tail.isdigit() and int(tail) >= 1:
-            return int(tail)
-    return None
+    return next((h for base in TORCHFT_SYSTEMS if (h := _period(key, base)) is not None), None)
 
 
 def averaging_period(key: str) -> int | None:
     """Post-local SGD's averaging period a key fixes: ``post-local-sgd-h8`` -> 8; 0 for plain
     ``post-local-sgd`` (the bench's default period); None for any other system."""
-    if key == "post-local-sgd":
-        return 0
-    if key.startswith(_H_SUFFIX) and key[len(_H_SUFFIX):].isdigit() and int(key[len(_H_SUFFIX):]) >= 1:
-        return int(key[len(_H_SUFFIX):])
-    return None
+    return _period(key, "post-local-sgd")
 
 
 def resolve(key: str) -> System | None:
-    """The system a ``--systems`` key names: one of SYSTEMS, or ``post-local-sgd-hN`` (post-local SGD
-    averaging every N steps, for the sweep of its period); None when unknown."""
+    """The system a ``--systems`` key names: one of SYSTEMS, or ``<system>-hN`` for post-local SGD
+    and the torchft peers (syncing every N steps, for the sweep of the period); None when unknown."""
     if key in SYSTEMS:
         return SYSTEMS[key]
-    h = torchft_period(key)
-    if h:
-        base = SYSTEMS[key.rsplit("-h", 1)[0]]
-        return System(key, f"{base.label} (H={h})", base.framework, base.needs, base.note, base.install, False)
-    h = averaging_period(key)
+    h = torchft_period(key) or averaging_period(key)
     if not h:
         return None
-    base = SYSTEMS["post-local-sgd"]
-    return System(key, f"{base.label} (H={h})", base.framework, base.needs, base.note)
+    base = SYSTEMS[key.rsplit("-h", 1)[0]]
+    return System(key, f"{base.label} (H={h})", base.framework, base.needs, base.note, base.install, False)
 
 
 def is_local(key: str) -> bool:

@@ -256,7 +256,6 @@ class TopoAlignDDP(DistributedDataParallel):
             for gi, bg in enumerate(bgs):
                 bg.__class__ = TopoBucketGroup
                 bg.topo_setup(engine, f"s{slot_i}.bg{gi}", mine, index_map)
-                bg.topo_last = gi == len(bgs) - 1  # its finish releases the engine's held work (all_submitted)
             engine.on_reconfigure(lambda _e, bgs=bgs: [bg.topo_apply_classes() for bg in bgs])
             if cfg.adaptive.enabled:
                 engine.enable_adaptive()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TopoAlignConfig
-from ..topology import PlanError, TopologyError, plan_groups
+from ..topology import PlanError, TopologyError
 from ..topology.discovered import probe_groups, topology_from_facts, with_measured
 from ..topology.facts import NodeFacts, collect_node_facts
 from ..topology.model import Topology, TopologyTimeout
@@ -226,16 +226,11 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
         log.warning("topo_align: %s", w)
     log.info("topo_align: discovered topology\n%s", format_topology(topo))
     try:
-        plan: Any = plan_groups(topo, group_by=cfg.topology.group_by, min_tier_ratio=cfg.topology.min_tier_ratio,
-                                middle_level=cfg.topology.middle_level, mode=cfg.mode)
-        from .groups import require_middle_level
+        from .groups import plan_for
 
-        require_middle_level(cfg, plan)
+        plan: Any = plan_for(cfg, topo)
     except (TopologyError, ValueError) as exc:
         return _error(exc), src
     log.info("topo_align: plan: %s -- %s", "hierarchical" if plan.hierarchical else "one flat all-reduce",
              plan.reason)
-    from .groups import log_plan_notes
-
-    log_plan_notes(plan)
     return plan, src

@@ -384,12 +384,17 @@ def require_middle_level(cfg: TopoAlignConfig, plan: Plan) -> None:
             "or 'slurm') or remove the key")
 
 
-def log_plan_notes(plan: Plan) -> None:
-    """Log (INFO, `topo_align`) the notes that change what a mode does, e.g. `selective` on islands of
-    one rank (LOCAL tensors cross no link between reconciliations)."""
-    for note in plan.notes:
-        if "keeps two levels" in note:
+def plan_for(cfg: TopoAlignConfig, topo: Topology) -> Plan:
+    """The plan of ``topo`` for this config (group_by, min_tier_ratio, middle_level, mode), with a
+    middle level that cannot be honoured refused (`require_middle_level`). Logged once (INFO): a
+    `selective` plan on groups of one rank (LOCAL tensors cross no link between reconciliations)."""
+    plan = plan_groups(topo, group_by=cfg.topology.group_by, min_tier_ratio=cfg.topology.min_tier_ratio,
+                       middle_level=cfg.topology.middle_level, mode=cfg.mode)
+    require_middle_level(cfg, plan)
+    if plan.hierarchical and plan.group_size == 1:
+        for note in plan.notes:
             log.info("topo_align: %s", note)
+    return plan
 
 
 def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp_group=None) -> Plan:
@@ -432,11 +437,7 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
     if dist.get_rank() == src:
         try:
             topo = _load_topology(cfg, hosts, len(dp_ranks))
-            result = plan_groups(topo, group_by=cfg.topology.group_by,
-                                 min_tier_ratio=cfg.topology.min_tier_ratio,
-                                 middle_level=cfg.topology.middle_level, mode=cfg.mode)
-            require_middle_level(cfg, result)
-            log_plan_notes(result)
+            result = plan_for(cfg, topo)
         except (TopologyError, ValueError) as exc:
             kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
             payload = [("error", kind, str(exc))]
