@@ -95,6 +95,9 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
         return [runs[0], runs[2], ("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "default":  # the default alone (flat is the same in every layout: measured once)
         return [runs[2]]
+    if kind == "reconcile-ablation":  # issue 31 item 3: streaming fragments; promotion over 2 intervals + demotion
+        return [("stream_fragments 2", "selective", {"local.stream_fragments": 2}),
+                ("promote_window 2 + demote", "selective", {"local.promote_window": 2, "local.demote": True})]
     if kind == "islands-outer":  # issue 31: the outer optimizer alone (flat/default measured before)
         return [("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
@@ -621,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
                              "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
-                             "moments16", "islands", "islands-outer", "default"])
+                             "moments16", "islands", "islands-outer", "default", "reconcile-ablation"])
     ap.add_argument("--layout", default="2x2", choices=sorted(LAYOUTS),
                     help="islands x ranks per island (virtual nodes): 2x2 on 4 ranks, 4x2 and 8x1 on 8")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])

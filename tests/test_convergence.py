@@ -199,14 +199,67 @@ def test_drift_monitor_units():
     m = DriftMonitor(0.5, 100)
     numels = {"a": 40, "b": 30, "c": 20, "d": 10}
     classes = {"a": "LOCAL", "b": "LOCAL", "c": "LOCAL", "d": "SYNC"}
-    assert m.promotions(classes, numels) == []  # nothing measured yet
+    assert m.promotions(classes, numels) == ([], [])  # nothing measured yet
     assert m.wants_blocking(classes, numels)
     m.last = {"a": 0.5, "b": 0.9, "c": 0.7}
     # b (30) then c (20) fit the budget of 50; a (40) does not
-    assert m.promotions(classes, numels) == ["b", "c"]
+    assert m.promotions(classes, numels) == (["b", "c"], [])
     assert m.apply(classes) == {"a": "LOCAL", "b": "SYNC", "c": "SYNC", "d": "SYNC"}
     assert not m.wants_blocking(m.apply(classes), numels)
     assert DriftMonitor(0.0, 100).wants_blocking(classes, numels) is False
+    with pytest.raises(ValueError, match=r"local.promote_window = 0; expected an integer >= 1"):
+        DriftMonitor(0.5, 10, window=0)
+
+
+def _measure(m, drifts: dict, step: int):
+    """Feed the monitor one agreed measurement (the all-reduce is a no-op stand-in)."""
+    class Wire:
+        def agree(self, t, op):
+            return t
+    names = sorted(drifts)
+    # ||before - after|| = d, ||after|| = 1 per name: relative drift d
+    before = torch.tensor([1.0 + drifts[n] for n in names])
+    after = torch.ones(len(names))
+    m.measure_segments([(n, i, 1) for i, n in enumerate(names)], before, after, Wire(), step)
+
+
+def test_promotion_window_needs_that_many_measurements_and_averages_them():
+    m = DriftMonitor(0.5, 100, window=2)
+    numels = {"a": 40, "b": 30, "c": 20}
+    classes = {n: "LOCAL" for n in numels}
+    assert m.wants_blocking(classes, numels) is False  # no tensor measured once yet
+    _measure(m, {"a": 0.1, "b": 0.9, "c": 0.2}, 2)
+    assert m.wants_blocking(classes, numels)  # one more measurement completes a window
+    assert m.promotions(classes, numels) == ([], [])  # a window of 1 measurement decides nothing
+    _measure(m, {"a": 0.8, "b": 0.1, "c": 0.2}, 4)
+    # means over the window: a 0.45, b 0.5, c 0.2: b (30) fits the budget of 50, then c (20); not a (40)
+    assert m.promotions(classes, numels) == (["b", "c"], [])
+    assert m.promotions(classes, numels, eligible={"a"}) == ([], [])
+
+
+def test_demotion_displaces_the_weakest_promotion_only_by_the_margin():
+    numels = {"a": 40, "b": 30, "c": 20}
+    classes = {n: "LOCAL" for n in numels}
+    m = DriftMonitor(0.3, 100, demote=True)  # budget 30 elements
+    _measure(m, {"a": 0.1, "b": 0.5, "c": 0.2}, 2)
+    assert m.promotions(classes, numels) == (["b"], [])
+    classes = m.apply(classes)
+    _measure(m, {"a": 1.2, "c": 1.2}, 4)  # a (40) does not fit even after b leaves; c beats 2 x 0.5
+    assert m.wants_blocking(classes, numels)
+    assert m.promotions(classes, numels) == (["c"], ["b"])
+    assert m.promoted == ["c"] and m.demoted == ["b"] and "b" not in m.recent
+    m2 = DriftMonitor(0.3, 100, demote=True)
+    _measure(m2, {"b": 0.5, "c": 0.2}, 2)
+    m2.promotions({"b": "LOCAL", "c": "LOCAL"}, numels)
+    _measure(m2, {"c": 0.99}, 4)  # 0.99 < 2 x 0.5: within the margin, no swap
+    assert m2.promotions({"b": "SYNC", "c": "LOCAL"}, numels) == ([], [])
+    assert not m2.wants_blocking({"b": "SYNC", "c": "LOCAL"}, numels)
+    assert DriftMonitor(0.3, 100).promotions({"c": "LOCAL"}, numels) == ([], [])
+    sd = m.state_dict()
+    m3 = DriftMonitor(0.3, 100, demote=True)
+    m3.load_state_dict(sd)
+    assert (m3.promoted, m3.demoted, m3.promoted_score, m3.recent) == (m.promoted, m.demoted, m.promoted_score,
+                                                                       m.recent)
 
 
 # ---------------------------------------------------------------------------- convergence (shortened)

@@ -239,7 +239,11 @@ def _checkpoint(rank, tmpdir):
                  "reconcile_interval": 3, "moments_interval": 1, "moments_dtype": "bf16"})),
              "selective-z1-async": (1, H.topo_block("selective", local={"reconcile_interval": 3,
                                                                         "async_reconcile": True})),
-             "selective-z2": (2, H.topo_block("selective", local={"reconcile_interval": 3}, sync={"dtype": "fp16"}))}
+             "selective-z2": (2, H.topo_block("selective", local={"reconcile_interval": 3}, sync={"dtype": "fp16"})),
+             # issue 31: one fragment a step (saved mid-cycle), promotion over 2 intervals with demotion
+             "selective-z2-stream": (2, H.topo_block("selective", local={
+                 "reconcile_interval": 3, "stream_fragments": 3, "async_reconcile": True, "promote_window": 2,
+                 "demote": True}))}
     res = {}
     for name, (stage, block) in cases.items():
         d = os.path.join(tmpdir, name)
@@ -672,7 +676,7 @@ def test_selective_all_sync_equals_stock_through_the_rail(world, stage):
 
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("case", ["hierarchical-z2", "hierarchical-z3", "selective-z0", "selective-z1",
-                                  "selective-z1-async", "selective-z2"])
+                                  "selective-z1-async", "selective-z2", "selective-z2-stream"])
 def test_checkpoint_resume_equals_uninterrupted(world, case):
     for r, out in enumerate(world):
         rec = _ok(world, "checkpoint")[case] if r == 0 else out["checkpoint"][case]

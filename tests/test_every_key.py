@@ -65,6 +65,9 @@ NONDEFAULT: dict[str, tuple[object, dict]] = {
     "local.outer_momentum": (0.5, {}),
     "local.outer_lr": (0.7, {}),
     "local.promote_drift_fraction": (0.3, {}),
+    "local.stream_fragments": (2, {}),
+    "local.promote_window": (2, {}),
+    "local.demote": (True, {}),
     "importance.method": ("magnitude", {}),
     "importance.ema_decay": (0.9, {}),
     "importance.refresh_interval": (50, {}),
@@ -221,6 +224,8 @@ EFFECT_COMPANIONS = {"importance.ema_decay": {"importance.refresh_interval": 2, 
                      "importance.method": {"importance.refresh_interval": 2, "local.async_reconcile": False},
                      # moments at every reconciliation: the first one of a layout is exact, the next on the wire
                      "local.moments_dtype": {"local.moments_interval": 1},
+                     # a budget of about one layer, filled by the first promotion: a later one must displace
+                     "local.demote": {"local.promote_drift_fraction": 0.13},
                      "adaptive.slowdown_factor": {"adaptive.enabled": True},
                      "adaptive.window": {"adaptive.enabled": True},
                      "adaptive.check_interval": {"adaptive.enabled": True},

@@ -341,6 +341,10 @@ def _engine_checks(rank, spec):
     # with the opt-in int8 SYNC wire (the distributed optimizer's rail hop of the SYNC ranges)
     out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}, sync={"dtype": "int8"}),
                                        dist_opt=True, steps=6)
+    # issue 31: one fragment of the LOCAL set a step, promotion over 2 intervals with demotion
+    out["stream_distopt"] = _engine_run(
+        rank, spec, cfg(local={"stream_fragments": 2, "promote_window": 2, "demote": True,
+                               "promote_drift_fraction": 0.3}), dist_opt=True, steps=7)
     out["delta_distopt"] = _engine_run(
         rank, spec, cfg(local={"reconcile_dtype": "bf16", "moments_interval": 2, "moments_dtype": "bf16",
                                "outer_momentum": 0.5}),
@@ -690,7 +694,7 @@ def test_stock_when_off_flat_or_one_tier(world, case):
 
 ENGINE_CASES = ["async_plain", "async_distopt", "adaptive_plain", "adaptive_distopt", "drift_plain", "drift_distopt",
                 "hutchinson_plain", "delta_distopt", "adaptive_checks_plain", "last_layer_overlap_plain",
-                "no_overlap_plain"]
+                "no_overlap_plain", "stream_distopt"]
 
 
 @pytest.mark.timeout(960)

@@ -399,6 +399,58 @@ def s_defaults(rank, world, groups):
     return out
 
 
+def s_streaming(rank, world, groups):
+    """local.stream_fragments (issue 31): one fragment of the LOCAL set a step. Invariants on every
+    step, each fragment's bytes on its own steps (drained per step), every fragment reconciled every
+    interval, everything identical after reconcile(), bitwise resume mid-cycle; and promotion over a
+    window of 2 with demotion (streaming too): invariants and a bitwise resume."""
+    from topo_integrations.reducer.reconcile import fragments
+    from topo_integrations.torch import GroupedReducer
+
+    out = {}
+    H = 4
+    for name, k in (("whole", 1), ("stream4", 4), ("stream2", 2)):
+        cfg = cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1, local__reconcile_interval=H,
+                     local__stream_fragments=k, local__reconcile_dtype="int8", local__moments_interval=2,
+                     local__async_reconcile=True, importance__refresh_interval=1000)
+        model = make(21, n_layers=6)
+        red = GroupedReducer(model, cfg, groups=groups)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        per_step, last = [], [0]
+
+        def book(s, ph):
+            if ph == "after":
+                red.engine.drain()
+                tot = red.stats()["total"]["bytes"]["inter"]["reconcile"]
+                per_step.append(tot - last[0])
+                last[0] = tot
+        train(model, red, opt, rank, 0, 16, verify=True, on_step=book)
+        e = red.engine
+        parts = fragments(e.local_names(), e.numels, k)
+        red.reconcile(opt)
+        moments = torch.cat([opt.state[p][m].reshape(-1) for p in model.parameters()
+                             for m in ("exp_avg", "exp_avg_sq")])
+        out[name] = {"per_step": per_step, "fragments": [len(f) for f in parts], "staleness": red.max_staleness,
+                     "counts": dict(e._frag_reconciles), "same": same_on(list(range(world)), flat_params(model)),
+                     "moments_same": same_on(list(range(world)), moments)}
+        red.close()
+    out["round_trip"] = _round_trip(rank, groups, _rt_cfg(local__stream_fragments=3, local__reconcile_dtype="int8",
+                                                          local__moments_interval=2, local__moments_dtype="bf16"),
+                                    total=16, k=10)
+    demote = dict(local__promote_window=2, local__demote=True, local__promote_drift_fraction=0.2,
+                  local__stream_fragments=2, local__reconcile_interval=2)
+    model = make(22, n_layers=6)
+    red = GroupedReducer(model, cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1, **demote), groups=groups)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    train(model, red, opt, rank, 0, 24, verify=True)
+    d = red.engine.drift
+    out["demote"] = {"promoted": list(d.promoted), "demoted": list(d.demoted)}
+    red.close()
+    out["demote_round_trip"] = _round_trip(rank, groups, cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1,
+                                                                **demote), total=14, k=7, n_layers=6)
+    return out
+
+
 def s_importance(rank, world, groups):
     """magnitude and hutchinson importance: classes change only right after a reconciliation."""
     from topo_integrations.torch import GroupedReducer
@@ -528,7 +580,7 @@ def _rank_main(rank, world):
     for name, fn in (("grads", s_grads_match_reference), ("selective", s_selective_invariants),
                      ("tf1", s_top_fraction_one_equals_hierarchical), ("fp16bytes", s_fp16_wire_bytes),
                      ("async", s_async), ("delta", s_delta_reconcile), ("state", s_state_round_trip),
-                     ("importance", s_importance), ("defaults", s_defaults),
+                     ("importance", s_importance), ("defaults", s_defaults), ("streaming", s_streaming),
                      ("agree", s_agreement)):
         t0 = time.perf_counter()
         res[name] = fn(rank, world, groups)
@@ -633,6 +685,32 @@ def test_delta_reconciliation_bf16_int8_moments_interval_moments_dtype_outer_mom
         n = f["bytes"] // (18 * 4)
         padded = -(-n // 512) * 512
         assert i8["bytes"] == 4 * n * (1 + 6) + 5 * (padded + 4 * padded // 256), (i8["bytes"], f["bytes"])
+
+
+@pytest.mark.timeout(300)
+def test_streaming_reconciliation_spreads_the_bytes_and_resumes_bitwise(world):
+    for res in world:
+        r = res["streaming"]
+        whole, s4, s2 = r["whole"], r["stream4"], r["stream2"]
+        for x in (whole, s4, s2):
+            assert x["same"] and x["moments_same"]
+            assert 1 <= x["staleness"] <= 1  # a correction lands one step after its snapshot
+        # Bytes (drained right after each step, index i = optimizer step i + 1): without streaming at
+        # every 4th step; fragment f of k is due where step % 4 == (f + 1) * 4 // k % 4, i.e. with 4
+        # fragments fragment i % 4 at index i (if it holds a tensor), with 2 at the odd indices.
+        busy = lambda x: [i for i, b in enumerate(x["per_step"]) if b]  # noqa: E731
+        assert busy(whole) == [3, 7, 11, 15], whole["per_step"]
+        assert busy(s4) == [i for i in range(16) if s4["fragments"][i % 4]], (s4["per_step"], s4["fragments"])
+        assert busy(s2) == [i for i in range(16) if i % 2 == 1 and s2["fragments"][0 if i % 4 == 1 else 1]], \
+            (s2["per_step"], s2["fragments"])
+        assert sum(1 for n in s4["fragments"] if n) >= 3
+        assert max(s4["per_step"]) < 0.6 * max(whole["per_step"]), (s4["per_step"], whole["per_step"])
+        # 4 asynchronous reconciliations of each fragment that holds a tensor, then reconcile() runs all
+        assert s4["counts"] == {f: 5 if n else 1 for f, n in enumerate(s4["fragments"])}, s4["counts"]
+        assert r["round_trip"]["had_pending"] and r["round_trip"]["bitwise"]
+        assert r["demote_round_trip"]["bitwise"]
+        assert r["demote"]["promoted"]
+    assert all(res["streaming"]["demote"] == world[0]["streaming"]["demote"] for res in world)
 
 
 @pytest.mark.timeout(300)

@@ -178,11 +178,45 @@ class LocalConfig(_Section):
     outer_lr: float = Field(default=1.0, gt=0.0, le=10.0)
     """Step size of the outer optimizer (1 with outer_momentum 0 is plain averaging)."""
 
+    stream_fragments: int = Field(default=1, ge=1, le=1_000_000)
+    """Streaming reconciliation (as in Streaming DiLoCo): the LOCAL set is cut into this many
+    fragments of consecutive tensors (about equal elements, in model order) and fragment ``f`` is
+    reconciled at the steps ``s`` with ``s % reconcile_interval == (f + 1) * reconcile_interval //
+    stream_fragments % reconcile_interval``: every fragment still every `reconcile_interval` steps,
+    but the slow-tier bytes of one interval spread over `stream_fragments` steps, each overlapped
+    with that step's compute. 1 (default) reconciles the whole set at once. At most
+    `reconcile_interval` (one fragment a step). Saves, class refreshes and promotions reconcile every
+    fragment at once (blocking), as before."""
+
     promote_drift_fraction: float = Field(default=0.15, ge=0.0, le=1.0)
-    """Drift-driven promotion: after a blocking reconciliation, the LOCAL tensors whose replicas had
-    drifted apart most (relative norm, see `reducer/drift.py`) become SYNC for good, largest drift
-    first, while the promoted tensors stay within this fraction of all gradient elements. 0 only
-    measures and logs the drift. When on, reconciliations block until the budget is used."""
+    """Drift-driven promotion budget: the LOCAL tensors whose replicas drift apart most (relative
+    norm, see `reducer/drift.py`) become SYNC, largest drift first, while the promoted tensors stay
+    within this fraction of all gradient elements. The budget is a byte budget on the slow tier:
+    a promoted element crosses it on the `sync.dtype` wire every step instead of on the
+    `reconcile_dtype` wire every `reconcile_interval` steps (the log line of a promotion gives the
+    bytes per step it adds). Classes change only right after a blocking reconciliation, so
+    reconciliations block while a promotion (or, with `demote`, a swap) is pending. 0 only measures
+    and logs the drift."""
+
+    promote_window: int = Field(default=1, ge=1, le=1_000)
+    """How many measured reconciliations a promotion is decided on: a LOCAL tensor's score is the
+    mean of its last `promote_window` relative drifts, and only a tensor measured that often is a
+    candidate (1: the latest drift alone, the 0.2 behaviour)."""
+
+    demote: bool = False
+    """Promotion with demotion: when the budget is full, a LOCAL tensor whose score is at least twice
+    the smallest score a promoted tensor had when it was promoted takes its place; the displaced
+    tensor turns LOCAL again and is measured anew (twice: a margin, so that two tensors of similar
+    drift do not swap back and forth). Off: promotions are for good."""
+
+    @model_validator(mode="after")
+    def _fragments_fit_the_interval(self) -> LocalConfig:
+        if self.stream_fragments > self.reconcile_interval:
+            raise ValueError(
+                f"local.stream_fragments = {self.stream_fragments} exceeds local.reconcile_interval = "
+                f"{self.reconcile_interval}: each fragment is reconciled every reconcile_interval steps, one "
+                "fragment a step at most; use at most reconcile_interval fragments")
+        return self
 
 
 class ImportanceConfig(_Section):

@@ -12,10 +12,14 @@ the data-parallel group so that every rank logs the same value and takes the sam
 decision. Optimizer state is reconciled too but not measured: the parameters are what the model is.
 
 Promotion (``local.promote_drift_fraction`` > 0): after a *blocking* reconciliation (every
-parameter is then identical on all ranks, so a class change cannot break invariant 1 of docs/reducer.md) the
-LOCAL tensors with the largest drift become SYNC, largest first, while the promoted tensors stay
-within that fraction of all gradient elements. Promotions are sticky (they survive class refreshes
-and checkpoints): a tensor that drifted once is likely to drift again.
+parameter it covered is then identical on all ranks, so a class change cannot break invariant 1 of
+docs/reducer.md) the LOCAL tensors with the largest score become SYNC, largest first, while the
+promoted tensors stay within that fraction of all gradient elements. A tensor's score is the mean
+of its last ``local.promote_window`` measured drifts (1: the latest), and only a tensor measured
+that often is a candidate. Promotions survive class refreshes and checkpoints; with
+``local.demote`` a full budget admits a candidate whose score is at least ``DEMOTE_MARGIN`` times
+the smallest score a promoted tensor had at its promotion, and that tensor turns LOCAL again
+(a SYNC tensor is identical everywhere, so demoting it is safe at any reconciliation).
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ import math
 
 import torch
 
-__all__ = ["DriftMonitor"]
+__all__ = ["DriftMonitor", "DEMOTE_MARGIN"]
 
 log = logging.getLogger("topo_align")
+
+DEMOTE_MARGIN = 2.0
+"""A candidate displaces a promoted tensor only when its score is at least this many times the
+displaced tensor's score at promotion, so that two tensors of similar drift do not swap back and
+forth at every reconciliation."""
 
 
 class DriftMonitor:
@@ -37,13 +46,24 @@ class DriftMonitor:
     (``total_numel``); 0 disables promotion (measuring and logging stay on).
     """
 
-    def __init__(self, promote_fraction: float, total_numel: int):
+    def __init__(self, promote_fraction: float, total_numel: int, *, window: int = 1, demote: bool = False):
         if not 0.0 <= promote_fraction <= 1.0:
             raise ValueError(f"local.promote_drift_fraction = {promote_fraction!r}; expected a float in [0, 1]")
+        if window < 1:
+            raise ValueError(f"local.promote_window = {window!r}; expected an integer >= 1")
         self.promote_fraction = float(promote_fraction)
         self.total_numel = int(total_numel)
+        self.window = int(window)
+        self.demote = bool(demote)
         self.last: dict[str, float] = {}
-        """Relative drift per LOCAL tensor at the latest measured reconciliation."""
+        """Relative drift per LOCAL tensor at the latest measured reconciliation (with streaming
+        reconciliation: of the latest fragment's tensors)."""
+        self.recent: dict[str, list[float]] = {}
+        """The last ``window`` measured drifts of each tensor (oldest first)."""
+        self.promoted_score: dict[str, float] = {}
+        """The score each promoted tensor had when it was promoted (demotion compares with it)."""
+        self.demoted: list[str] = []
+        """Tensors demoted back to LOCAL, in order (reporting)."""
         self.last_step: int | None = None
         self.history: list[tuple[int, float, float]] = []
         """(step, max drift, element-weighted mean drift) of every measured reconciliation."""
@@ -82,6 +102,8 @@ class DriftMonitor:
             drift[name] = math.sqrt(agreed[i]) / math.sqrt(ref) if ref > 0 else (0.0 if agreed[i] == 0 else math.inf)
         self.last = drift
         self.last_step = step
+        for name, d in drift.items():
+            self.recent[name] = (self.recent.get(name, []) + [d])[-self.window:]
         weights: dict[str, int] = {}
         for name, _, n in segs:
             weights[name] = weights.get(name, 0) + n
@@ -96,33 +118,79 @@ class DriftMonitor:
 
     # ------------------------------------------------------------------ promotion
 
-    def promotions(self, classes: dict[str, str], numels: dict[str, int]) -> list[str]:
-        """LOCAL tensors to promote now (largest latest drift first, ties by name) within the budget.
+    def score(self, name: str, *, partial: bool = False) -> float | None:
+        """The promotion score of ``name``: its latest drift (window 1) or the mean of its last
+        ``window`` drifts; None while it was measured fewer times (``partial``: any number >= 1)."""
+        if self.window == 1:
+            return self.last.get(name)
+        h = self.recent.get(name, [])
+        if not h or (len(h) < self.window and not partial):
+            return None
+        return sum(h) / len(h)
 
-        Deterministic from agreed inputs, so every rank returns the same list. Records them as promoted.
-        """
-        if self.promote_fraction <= 0 or not self.last:
-            return []
-        budget = self.promote_fraction * self.total_numel - sum(numels[n] for n in self.promoted)
-        out = []
-        for name in sorted(self.last, key=lambda n: (-self.last[n], n)):
-            if classes.get(name) != "LOCAL" or name in self.promoted:
-                continue
+    def _budget(self, numels: dict[str, int]) -> float:
+        return self.promote_fraction * self.total_numel - sum(numels[n] for n in self.promoted)
+
+    def promotions(self, classes: dict[str, str], numels: dict[str, int],
+                   eligible: set[str] | None = None) -> tuple[list[str], list[str]]:
+        """(tensors to promote now, promoted tensors to demote now): largest score first, ties by
+        name, within the budget; ``eligible`` limits the candidates to the tensors that are
+        identical on every rank now (those of the reconciliation just done).
+
+        Deterministic from agreed inputs, so every rank returns the same lists. Records them."""
+        if self.promote_fraction <= 0:
+            return [], []
+        scored = [(self.score(n), n) for n, c in classes.items()
+                  if c == "LOCAL" and n not in self.promoted and (eligible is None or n in eligible)]
+        budget = self._budget(numels)
+        out, demoted = [], []
+        for sc, name in sorted(((sc, n) for sc, n in scored if sc is not None), key=lambda x: (-x[0], x[1])):
+            if numels[name] > budget and self.demote:
+                # Displace the promoted tensors of smallest score at promotion (older first), while
+                # the candidate beats each by the margin, until it fits.
+                victims, freed = [], 0
+                for v in sorted((v for v in self.promoted if v not in out),
+                                key=lambda v: (self.promoted_score.get(v, 0.0), self.promoted.index(v))):
+                    if budget + freed >= numels[name] or sc < DEMOTE_MARGIN * self.promoted_score.get(v, 0.0):
+                        break
+                    victims.append(v)
+                    freed += numels[v]
+                if budget + freed >= numels[name]:
+                    for v in victims:
+                        self.promoted.remove(v)
+                        self.promoted_score.pop(v, None)
+                        self.recent.pop(v, None)  # measured anew as a LOCAL tensor
+                    demoted += victims
+                    budget += freed
             if numels[name] <= budget:
                 out.append(name)
+                self.promoted.append(name)
+                self.promoted_score[name] = sc
                 budget -= numels[name]
-        self.promoted.extend(out)
+        self.demoted.extend(demoted)
         if out:
             log.info("topo_align: promoting %d drifting LOCAL tensor(s) to SYNC: %s", len(out), ", ".join(out))
-        return out
+        if demoted:
+            log.info("topo_align: demoting %d promoted tensor(s) back to LOCAL (displaced by larger drift): %s",
+                     len(demoted), ", ".join(demoted))
+        return out, demoted
 
     def wants_blocking(self, classes: dict[str, str], numels: dict[str, int]) -> bool:
-        """True when promotion is on and a promotion could still happen (then the next reconciliation
-        must block: classes may change only when every replica is identical)."""
+        """True when the next reconciliation may promote or demote (then it must block: classes may
+        change only when every replica is identical): a LOCAL tensor fits the budget and will have
+        been measured ``window`` times after it, or (``demote``) one would displace a promoted
+        tensor on the scores measured so far."""
         if self.promote_fraction <= 0:
             return False
-        budget = self.promote_fraction * self.total_numel - sum(numels[n] for n in self.promoted)
-        return any(c == "LOCAL" and numels[n] <= budget for n, c in classes.items() if n not in self.promoted)
+        budget = self._budget(numels)
+        local = [n for n, c in classes.items() if c == "LOCAL" and n not in self.promoted]
+        ready = [n for n in local if len(self.recent.get(n, [])) >= self.window - 1 or self.window == 1]
+        if any(numels[n] <= budget for n in ready):
+            return True
+        if not (self.demote and self.promoted):
+            return False
+        low = min(self.promoted_score.get(v, 0.0) for v in self.promoted)
+        return any((self.score(n, partial=True) or 0.0) >= DEMOTE_MARGIN * low for n in ready)
 
     def apply(self, classes: dict[str, str]) -> dict[str, str]:
         """``classes`` with every promoted tensor forced to SYNC (used after a class refresh)."""
@@ -144,12 +212,14 @@ class DriftMonitor:
             "per_tensor": dict(self.last),
             "history": [list(h) for h in self.history],
             "promoted": list(self.promoted),
+            "demoted": list(self.demoted),
             "promote_fraction": self.promote_fraction,
         }
 
     def state_dict(self) -> dict:
         return {"last": dict(self.last), "last_step": self.last_step, "history": [list(h) for h in self.history],
-                "promoted": list(self.promoted)}
+                "promoted": list(self.promoted), "recent": {k: list(v) for k, v in self.recent.items()},
+                "promoted_score": dict(self.promoted_score), "demoted": list(self.demoted)}
 
     def load_state_dict(self, sd: dict | None) -> None:
         if not sd:
@@ -158,3 +228,8 @@ class DriftMonitor:
         self.last_step = sd.get("last_step")
         self.history = [(int(s), float(m), float(a)) for s, m, a in sd.get("history", [])]
         self.promoted = [str(n) for n in sd.get("promoted", [])]
+        # states of 0.2 and older carry no window, scores or demotions: the latest drift stands in
+        self.recent = {str(k): [float(x) for x in v] for k, v in sd.get("recent", {}).items()} or \
+            {k: [v] for k, v in self.last.items()}
+        self.promoted_score = {str(k): float(v) for k, v in sd.get("promoted_score", {}).items()}
+        self.demoted = [str(n) for n in sd.get("demoted", [])]

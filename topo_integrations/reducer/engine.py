@@ -39,7 +39,14 @@ from .importance import Importance
 from .kinds import Cls, Mode, Traffic
 from .order import check_requested
 from .policy import ClassPolicy
-from .reconcile import ParamReconcileSource, PendingAverage, ReconcileItem, ReconcileMixin, ReconcileSource
+from .reconcile import (
+    ParamReconcileSource,
+    PendingAverage,
+    ReconcileItem,
+    ReconcileMixin,
+    ReconcileSource,
+    due_fragment,
+)
 from .stats import Stats
 from .wire import Wire
 
@@ -93,11 +100,14 @@ class Engine(ReconcileMixin):
         self.reconcile_interval = cfg.local.reconcile_interval
         self.reconcile_dtype = wire_dtype(cfg.local.reconcile_dtype)
         self.moments_dtype = wire_dtype(cfg.local.moments_dtype)
-        self._anchor: dict | None = None
-        """The last reconciled LOCAL values (keys, flat fp32, outer momentum): identical on every rank."""
-        self._sanchor: dict | None = None
-        """The last averaged LOCAL optimizer moments (keys, flat fp32), kept with a lossy
-        ``local.moments_dtype`` only: identical on every replica of each item."""
+        self._anchors: dict[int, dict] = {}
+        """Per fragment (0 without streaming): the last reconciled LOCAL values (keys, flat fp32,
+        outer momentum), identical on every rank."""
+        self._sanchors: dict[int, dict] = {}
+        """Per fragment: the last averaged LOCAL optimizer moments (keys, flat fp32), kept with a
+        lossy ``local.moments_dtype`` only: identical on every replica of each item."""
+        self._frag_reconciles: dict[int, int] = {}
+        """Reconciliations per fragment (the moment average is due at every ``moments_interval``-th)."""
         self.step = 0
         self.last_refresh = 0
         self.reconciles = 0
@@ -196,7 +206,8 @@ class Engine(ReconcileMixin):
             self.mode = Mode(mode)
             changed = True
         if classes is not None and self.policy.set_classes(classes):
-            self._anchor = self._sanchor = None
+            # a new LOCAL set (new fragments): its first reconciliation averages values exactly
+            self._anchors, self._sanchors = {}, {}
             changed = True
         if reconcile_interval is not None:
             self.reconcile_interval = int(reconcile_interval)
@@ -292,16 +303,19 @@ class Engine(ReconcileMixin):
             if self._pending is not None:
                 self._apply_pending(source)
             self.all_synced = not self.has_local()
-            if self.step % self.reconcile_interval == 0:
+            frag = due_fragment(self.step, self.reconcile_interval, self._stream_k())
+            if frag is not None:
                 refresh = self.step - self.last_refresh >= self.cfg.importance.refresh_interval
                 promote = self.drift.wants_blocking(self.classes, self.numels)
                 if refresh or promote or not self.cfg.local.async_reconcile:
                     # Classes may change after this one: moments too, so a tensor turning SYNC
-                    # carries identical optimizer state.
-                    self._reconcile_blocking(source, moments=refresh or promote)
+                    # carries identical optimizer state. A refresh re-ranks every tensor: all
+                    # fragments; a promotion only among the fragment just averaged.
+                    self._reconcile_blocking(source, moments=refresh or promote,
+                                             frag=None if refresh or self._stream_k() == 1 else frag)
                 else:
                     self.dispatcher.plan_window()  # every rank, whatever it has to send
-                    self._reconcile_async(source)
+                    self._reconcile_async(source, frag)
                 did = True
                 if refresh:
                     self.refresh_classes()
@@ -320,6 +334,11 @@ class Engine(ReconcileMixin):
         self.source = source
         if self._pending is not None:
             self._apply_pending(source)
+        if not blocking and self._stream_k() > 1:
+            # one asynchronous average is in flight at a time, and one covers a fragment
+            log.info("topo_align: step %d: reconcile(blocking=False) with local.stream_fragments = %d "
+                     "reconciles every fragment now, blocking", self.step, self._stream_k())
+            blocking = True
         if blocking:
             self._reconcile_blocking(source, moments=True)
         else:
@@ -340,7 +359,8 @@ class Engine(ReconcileMixin):
         def to_cpu(d):
             return None if d is None else {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in d.items()}
 
-        anchor, sanchor = to_cpu(self._anchor), to_cpu(self._sanchor)
+        anchors = {f: to_cpu(a) for f, a in self._anchors.items()}
+        sanchors = {f: to_cpu(a) for f, a in self._sanchors.items()}
         ctrl = self.adaptive
         mode, classes = self.mode, dict(self.classes)
         if ctrl is not None:
@@ -350,7 +370,8 @@ class Engine(ReconcileMixin):
         return {"format": ENGINE_STATE_FORMAT, "mode": str(mode), "step": self.step, "last_refresh": self.last_refresh,
                 "reconciles": self.reconciles, "all_synced": self.all_synced, "classes": classes,
                 "residuals": self.wire.residual_state(), "importance": self.importance.state_dict(),
-                "pending": pend, "anchor": anchor, "moments_anchor": sanchor, "max_staleness": self.max_staleness,
+                "pending": pend, "anchors": anchors, "moments_anchors": sanchors,
+                "fragment_reconciles": dict(self._frag_reconciles), "max_staleness": self.max_staleness,
                 "stats": self.stats_.state_dict(),
                 "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict()}
 
@@ -387,8 +408,13 @@ class Engine(ReconcileMixin):
             return None if d is None else {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in d.items()}
 
         self._pending = PendingAverage.from_state(sd.get("pending"), self.device)
-        self._anchor = to_dev(sd.get("anchor"))
-        self._sanchor = to_dev(sd.get("moments_anchor"))
+        # states of 0.2 and older: one anchor (fragment 0) and one reconciliation counter
+        anchors = sd.get("anchors", {0: sd.get("anchor")})
+        sanchors = sd.get("moments_anchors", {0: sd.get("moments_anchor")})
+        self._anchors = {int(f): to_dev(a) for f, a in anchors.items() if a is not None}
+        self._sanchors = {int(f): to_dev(a) for f, a in sanchors.items() if a is not None}
+        self._frag_reconciles = {int(f): int(n) for f, n in
+                                 sd.get("fragment_reconciles", {0: self.reconciles}).items()}
         self.stats_.load_state_dict(sd["stats"])
         self.drift.load_state_dict(sd.get("drift"))
         if ctrl is not None:

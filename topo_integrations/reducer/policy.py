@@ -37,7 +37,8 @@ class ClassPolicy:
         self.forced_sync = set(forced_sync)
         self.loss_closure = loss_closure
         self.importance = Importance(cfg.importance.method, cfg.importance.ema_decay, self.names, device=device)
-        self.drift = DriftMonitor(cfg.local.promote_drift_fraction, sum(self.numels.values()))
+        self.drift = DriftMonitor(cfg.local.promote_drift_fraction, sum(self.numels.values()),
+                                  window=cfg.local.promote_window, demote=cfg.local.demote)
         self.class_version = 0
         self.classes = self._initial(selective)
 

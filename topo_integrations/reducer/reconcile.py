@@ -17,19 +17,27 @@ as :class:`ReconcileMixin`); an adapter describes its LOCAL tensors with :class:
 
 Asynchronous: the snapshot is averaged through the dispatcher while the next step runs; after the next
 optimizer step the correction ``x += target - snapshot`` is applied (second moments clamped at 0).
+
+Streaming (``local.stream_fragments`` F > 1): the LOCAL set is cut into F fragments of consecutive
+tensors (:func:`fragments`) and one fragment is reconciled per due step (:func:`due_fragment`); each
+fragment keeps its own anchors, moment counter and outer momentum. A blocking reconciliation of the
+whole set (save, class refresh) runs every fragment in order.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 
-from .classes import SYNC
+from .classes import LOCAL, SYNC
+
+log = logging.getLogger("topo_align")
 
 __all__ = ["ReconcileItem", "ReconcileSource", "ParamReconcileSource", "ReconcileMixin", "PendingAverage",
-           "is_second_moment"]
+           "is_second_moment", "fragments", "due_fragment"]
 
 
 @dataclass
@@ -63,6 +71,31 @@ class ReconcileSource(Protocol):
 
     def written(self) -> None:
         """Called after the items were changed (e.g. copy fp32 masters to the model, re-gather)."""
+
+
+def fragments(names: list[str], numels: dict[str, int], k: int) -> list[list[str]]:
+    """``names`` (in model order) cut into ``k`` runs of consecutive tensors of about equal elements:
+    a tensor goes to the fragment its middle element falls in. Some may be empty (a tensor larger
+    than a fragment's share). Deterministic from agreed inputs: the same on every rank."""
+    total = sum(numels[n] for n in names)
+    out: list[list[str]] = [[] for _ in range(k)]
+    seen = 0
+    for n in names:
+        mid = seen + numels[n] / 2
+        out[min(k - 1, int(k * mid / total)) if total else 0].append(n)
+        seen += numels[n]
+    return out
+
+
+def due_fragment(step: int, interval: int, k: int) -> int | None:
+    """The fragment reconciled at optimizer step ``step`` (None: none is due). Fragment ``f`` at the
+    steps with ``step % interval == (f + 1) * interval // k % interval``: k = 1 gives every
+    ``interval``-th step; each fragment is reconciled every ``interval`` steps; ``k <= interval``."""
+    phase = step % interval
+    for f in range(k):
+        if (f + 1) * interval // k % interval == phase:
+            return f
+    return None
 
 
 def is_second_moment(key: str) -> bool:
@@ -115,7 +148,9 @@ class PendingAverage:
     ssnap: torch.Tensor
     savg: torch.Tensor
     local: list[str] = field(default_factory=list)
-    """The LOCAL names at the snapshot (asynchronous only)."""
+    """The LOCAL names at the snapshot (asynchronous only): the fragment's with streaming."""
+    fragment: int = 0
+    """The fragment averaged (0 without streaming): whose anchors the average uses."""
     step: int = 0
     """The optimizer step of the snapshot."""
     moments: bool = False
@@ -184,20 +219,30 @@ class ReconcileMixin:
         order = lambda xs: [i for i in xs if not i.shard] + [i for i in xs if i.shard]  # noqa: E731
         return order(vals), order(states)
 
-    def _moments_due(self, forced: bool) -> bool:
-        return forced or (self.reconciles + 1) % self.cfg.local.moments_interval == 0
+    def _stream_k(self) -> int:
+        """Fragments in use: ``local.stream_fragments``, at most the current interval (an adaptive
+        level may have changed it)."""
+        return max(1, min(self.cfg.local.stream_fragments, self.reconcile_interval))
 
-    def _uses_delta(self, keys: list[str]) -> bool:
+    def _fragment_names(self) -> list[list[str]]:
+        return fragments(self.local_names(), self.numels, self._stream_k())
+
+    def _moments_due(self, forced: bool, frag: int = 0) -> bool:
+        return forced or (self._frag_reconciles.get(frag, 0) + 1) % self.cfg.local.moments_interval == 0
+
+    def _uses_delta(self, keys: list[str], frag: int) -> bool:
         """Delta averaging needs an anchor of the same layout (the first reconciliation of a layout
         averages values exactly and sets it)."""
         wants = self.reconcile_dtype != torch.float32 or self.cfg.local.outer_momentum > 0 or \
             self.cfg.local.outer_lr != 1.0
-        return wants and self._anchor is not None and self._anchor["keys"] == keys
+        a = self._anchors.get(frag)
+        return wants and a is not None and a["keys"] == keys
 
-    def _moments_delta(self, skeys: list[str]) -> bool:
+    def _moments_delta(self, skeys: list[str], frag: int) -> bool:
         """A lossy moment wire averages the change since the moment anchor of the same layout (the
         first moment average of a layout is exact in fp32 and sets it)."""
-        return self.moments_dtype != torch.float32 and self._sanchor is not None and self._sanchor["keys"] == skeys
+        a = self._sanchors.get(frag)
+        return self.moments_dtype != torch.float32 and a is not None and a["keys"] == skeys
 
     def _average_chunks(self, flat: torch.Tensor, items: list[ReconcileItem], *, wire: torch.dtype,
                         key: str) -> list[Callable[[], None]]:
@@ -209,13 +254,13 @@ class ReconcileMixin:
         return (self.wire.reconcile_chunks(flat[:nr], shard=False, wire=wire, key=key)
                 + self.wire.reconcile_chunks(flat[nr:], shard=True, wire=wire, key=key))
 
-    def _outer(self, delta: torch.Tensor) -> torch.Tensor:
+    def _outer(self, delta: torch.Tensor, anchor: dict) -> torch.Tensor:
         """The outer optimizer's step from the mean delta (identity with momentum 0 and lr 1)."""
         m, lr = self.cfg.local.outer_momentum, self.cfg.local.outer_lr
         if m > 0:
-            v = self._anchor.get("momentum")
+            v = anchor.get("momentum")
             v = delta.clone() if v is None else v.mul_(m).add_(delta)
-            self._anchor["momentum"] = v
+            anchor["momentum"] = v
             delta = delta + m * v
         return delta * lr if lr != 1.0 else delta
 
@@ -227,21 +272,22 @@ class ReconcileMixin:
             off += it.tensor.numel()
         self.drift.measure_segments(segs, before, after, self.wire, step)
 
-    def _launch_average(self, vals, states, *, blocking: bool) -> PendingAverage:
+    def _launch_average(self, vals, states, *, blocking: bool, frag: int = 0) -> PendingAverage:
         """Snapshot and hand the average's chunks to the dispatcher: held until the next step's SYNC
         reductions are issued (asynchronous), or run now (blocking)."""
         keys = [i.key for i in vals]
         snap = _flat(vals, self.device)
-        delta = self._uses_delta(keys)
-        send = snap - self._anchor["flat"] if delta else snap.clone()
+        delta = self._uses_delta(keys, frag)
+        send = snap - self._anchors[frag]["flat"] if delta else snap.clone()
         skeys = [i.key for i in states]
         ssnap = _flat(states, self.device)
-        sdelta = bool(states) and self._moments_delta(skeys)
-        savg = ssnap - self._sanchor["flat"] if sdelta else ssnap.clone()
+        sdelta = bool(states) and self._moments_delta(skeys, frag)
+        savg = ssnap - self._sanchors[frag]["flat"] if sdelta else ssnap.clone()
         p = PendingAverage(keys=keys, skeys=skeys, snap=snap, avg=send, delta=delta,
-                           ssnap=ssnap, savg=savg, sdelta=sdelta)
+                           ssnap=ssnap, savg=savg, sdelta=sdelta, fragment=frag)
         chunks = self._chunks_of(p, vals, states)
-        what = f"reconciliation of step {self.step} ({send.numel() + savg.numel()} elements)"
+        part = f", fragment {frag + 1} of {self._stream_k()}" if self._stream_k() > 1 else ""
+        what = f"reconciliation of step {self.step}{part} ({send.numel() + savg.numel()} elements)"
         if blocking:
             self.dispatcher.run_reconcile(chunks, what)
         else:
@@ -261,13 +307,14 @@ class ReconcileMixin:
 
     def _finish_average(self, p) -> torch.Tensor:
         """The reconciled values (identical on every rank) from a finished average; updates the anchor."""
+        a = self._anchors.get(p.fragment)
         if p.delta:
-            target = self._anchor["flat"] + self._outer(p.avg)
+            target = a["flat"] + self._outer(p.avg, a)
         else:
             target = p.avg
-            if self._anchor is None or self._anchor["keys"] != p.keys:
-                self._anchor = {"keys": list(p.keys), "flat": None, "momentum": None}
-        self._anchor["flat"] = target.clone()
+            if a is None or a["keys"] != p.keys:
+                a = self._anchors[p.fragment] = {"keys": list(p.keys), "flat": None, "momentum": None}
+        a["flat"] = target.clone()
         return target
 
     def _finish_states(self, p) -> torch.Tensor:
@@ -275,36 +322,57 @@ class ReconcileMixin:
         ``moments_dtype`` they become the moment anchor (unclamped: the clamp is the tensor's)."""
         if not p.skeys:
             return p.savg
-        starget = self._sanchor["flat"] + p.savg if p.sdelta else p.savg
+        starget = self._sanchors[p.fragment]["flat"] + p.savg if p.sdelta else p.savg
         if self.moments_dtype != torch.float32:
-            self._sanchor = {"keys": list(p.skeys), "flat": starget.clone()}
+            self._sanchors[p.fragment] = {"keys": list(p.skeys), "flat": starget.clone()}
         return starget
 
-    def _reconcile_blocking(self, source, *, moments: bool = False) -> None:
-        vals, states = self._items(source, self.local_names(), self._moments_due(moments))
-        if vals or states:
-            p = self._launch_average(vals, states, blocking=True)
-            target = self._finish_average(p)
-            _scatter(vals, target)
-            _scatter(states, self._finish_states(p))
-            source.written()
-            self._measure(vals, p.snap, target, self.step)
-        self.all_synced = True
+    def _reconcile_blocking(self, source, *, moments: bool = False, frag: int | None = None) -> None:
+        """Average now: fragment ``frag``, or (None) every fragment in order, i.e. the whole LOCAL set."""
+        parts = self._fragment_names()
+        todo = range(len(parts)) if frag is None else [frag]
+        done: set[str] = set()
+        for f in todo:
+            vals, states = self._items(source, parts[f], self._moments_due(moments, f))
+            if vals or states:
+                p = self._launch_average(vals, states, blocking=True, frag=f)
+                target = self._finish_average(p)
+                _scatter(vals, target)
+                _scatter(states, self._finish_states(p))
+                source.written()
+                self._measure(vals, p.snap, target, self.step)
+            self._frag_reconciles[f] = self._frag_reconciles.get(f, 0) + 1
+            done.update(parts[f])
+        self.all_synced = frag is None or len(parts) == 1
         self.reconciles += 1
-        # Every replica is identical now: the only moment a LOCAL tensor may become SYNC.
-        promoted = self.drift.promotions(self.classes, self.numels)
-        if promoted:
-            self.reconfigure(classes={n: (SYNC if n in promoted else c) for n, c in self.classes.items()})
+        # The replicas of what was just averaged are identical: the only moment a LOCAL tensor may
+        # become SYNC. A promoted (SYNC) tensor is identical everywhere, so it may turn LOCAL anytime.
+        promoted, demoted = self.drift.promotions(self.classes, self.numels, eligible=done)
+        if promoted or demoted:
+            self._log_promotion_bytes(promoted, demoted)
+            self.reconfigure(classes={n: (SYNC if n in promoted else LOCAL if n in demoted else c)
+                                      for n, c in self.classes.items()})
 
-    def _reconcile_async(self, source) -> None:
-        local = self.local_names()
-        vals, states = self._items(source, local, self._moments_due(False))
+    def _log_promotion_bytes(self, promoted: list[str], demoted: list[str]) -> None:
+        """What the change costs on the slow tier per step (SYNC every step on its wire instead of a
+        reconciliation every interval on the reconciliation wire; byte estimates, scales left out)."""
+        net = sum(self.numels[n] for n in promoted) - sum(self.numels[n] for n in demoted)
+        per = self.sync_dtype.itemsize - self.reconcile_dtype.itemsize / self.reconcile_interval
+        used = sum(self.numels[n] for n in self.drift.promoted)
+        log.info("topo_align: step %d: promoted tensors now %d elements (%.1f%% of the %.1f%% budget); this "
+                 "change adds about %.0f slow-tier bytes per step and rank", self.step, used,
+                 100 * used / max(1, self.drift.total_numel), 100 * self.drift.promote_fraction, net * per)
+
+    def _reconcile_async(self, source, frag: int = 0) -> None:
+        local = self._fragment_names()[frag]
+        vals, states = self._items(source, local, self._moments_due(False, frag))
         if not (vals or states):
-            self.all_synced = True
+            self.all_synced = self._stream_k() == 1
             return
-        p = self._launch_average(vals, states, blocking=False)
+        p = self._launch_average(vals, states, blocking=False, frag=frag)
         p.local, p.step, p.moments = local, self.step, bool(states)
         self._pending = p
+        self._frag_reconciles[frag] = self._frag_reconciles.get(frag, 0) + 1
         self.reconciles += 1
 
     def _apply_pending(self, source) -> None:

@@ -298,6 +298,9 @@ class SelectiveSpec:
     averaged at every ``local.moments_interval``-th reconciliation on the ``local.moments_dtype`` wire
     are 2 x its bytes / that interval (8 / that interval in fp32)."""
     reconcile_interval: int = 4
+    stream_fragments: int = 1
+    """``local.stream_fragments``: the reconciliation's bytes in that many launches per interval
+    (the same bytes, that many latencies)."""
     async_reconcile: bool = True
     pipelined: bool = False
     """The reducer runs the hierarchical phases of a bucket back-to-back."""
@@ -312,6 +315,9 @@ class SelectiveSpec:
                 raise SimError(f"selective {what} = {v!r}; expected a number in [0, 1]")
         if not (isinstance(self.reconcile_interval, int) and self.reconcile_interval >= 1):
             raise SimError(f"selective reconcile_interval = {self.reconcile_interval!r}; expected an integer >= 1")
+        if not (isinstance(self.stream_fragments, int) and 1 <= self.stream_fragments <= self.reconcile_interval):
+            raise SimError(f"selective stream_fragments = {self.stream_fragments!r}; expected an integer in "
+                           f"[1, reconcile_interval = {self.reconcile_interval}]")
 
 
 def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveSpec,
@@ -322,7 +328,7 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
       1. SYNC stream (fraction f = top_fraction + last-N share): 2-level all-reduce of f * elements,
          in the gradient dtype inside the group and in the sync dtype across groups;
       2. LOCAL stream: ring all-reduce of (1 - f) * elements in the local dtype inside each intra group.
-    Every reconcile_interval (H) steps, charged 1/H per step:
+    Every reconcile_interval (H) steps, charged 1/H per step (the latency F/H with F stream fragments):
       3. each rank all-reduces its 1/g slice of the LOCAL parameters over its rail
          (2(R-1)/R * (1-f) * elements * reconcile_bytes / g), then
       4. all-gathers them inside the group ((g-1)/g * (1-f) * elements * reconcile_bytes);
@@ -351,7 +357,7 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
             ring_phase(fab, intra, rec_b, "allgather", "reconcile intra all-gather").scaled(1.0 / h),
         ]
         for p in background:
-            p.latency_s /= h
+            p.latency_s *= spec.stream_fragments / h
     return CommCost("selective", ALGORITHMS["selective"], streams, background,
                     background_blocking=not spec.async_reconcile)
 

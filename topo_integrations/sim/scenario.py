@@ -57,6 +57,7 @@ class SimOptions:
     local_dtype: str = _default(LocalConfig, "dtype")
     reconcile_dtype: str = _default(LocalConfig, "reconcile_dtype")
     reconcile_interval: int = _default(LocalConfig, "reconcile_interval")
+    stream_fragments: int = _default(LocalConfig, "stream_fragments")
     moments_interval: int = _default(LocalConfig, "moments_interval")
     """Adam's two moments of LOCAL tensors are averaged at every this many-th reconciliation."""
     moments_dtype: str = _default(LocalConfig, "moments_dtype")
@@ -100,6 +101,7 @@ def options_from_block(block, base: SimOptions) -> SimOptions:
         top_fraction=block.sync.top_fraction, last_n_layers=block.sync.last_n_layers,
         sync_dtype=block.sync.dtype, local_dtype=block.local.dtype, reconcile_dtype=block.local.reconcile_dtype,
         reconcile_interval=block.local.reconcile_interval, async_reconcile=block.local.async_reconcile,
+        stream_fragments=block.local.stream_fragments,
         moments_interval=block.local.moments_interval, promote_fraction=block.local.promote_drift_fraction,
         moments_dtype=block.local.moments_dtype,
     )
@@ -242,6 +244,7 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         local_bytes=DTYPE_BYTES[opt.local_dtype], reconcile_bytes=DTYPE_BYTES[opt.reconcile_dtype],
         moments_bytes=2.0 * DTYPE_BYTES[opt.moments_dtype] / opt.moments_interval,
         reconcile_interval=opt.reconcile_interval, async_reconcile=opt.async_reconcile,
+        stream_fragments=min(opt.stream_fragments, opt.reconcile_interval),
     )
     spec.validate()
     compute_s = wl.compute_seconds(world)

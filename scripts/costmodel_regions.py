@@ -1,0 +1,287 @@
+#!/usr/bin/env python
+"""Where hierarchical, selective and post-local SGD each win: islands x inter-island link speed (issue 31).
+
+    .venv/bin/python scripts/costmodel_regions.py                          # print the tables
+    .venv/bin/python scripts/costmodel_regions.py --markdown regions.md    # also write them to a file
+    .venv/bin/python scripts/costmodel_regions.py --write-doc              # replace them in docs/costmodel.md
+
+Everything here is simulated (the alpha-beta model of topo_integrations.sim, docs/costmodel.md), not
+measured, and prices communication and its overlap with backward only, not model quality.
+
+Fabric: N islands of 8 GPUs, each a DGX A100 node of configs/topologies/dgx-a100-superpod-960.json
+(NVLink 230 GB/s per GPU, 2 us); islands under leaves of up to 20 nodes (the SuperPOD's scalable
+units), 1:1 spine; the leaf and spine tiers run at the swept link speed per GPU (Gbit/s / 8 = GB/s),
+with the file's latencies (7 / 10 us). Workload: docs/costmodel.md section 2's pure-DP GPT-3 175B
+(`costmodel_960.workload(1, 1)`: 96 layers, bf16 gradients, 1536 x 2048 tokens per step at 40% MFU
+of 312 TFLOP/s), the global batch fixed, so compute per step shrinks as islands are added.
+Algorithms, with this release's `"topo_align"` defaults (config schema): `hier2-b2b` (the plugin's
+`hierarchical`, cross-island phase in `communication.inter_dtype`), `selective`, and post-local SGD
+(`localsgd`, its fp32 parameter average every 4 steps, blocking).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from costmodel_960 import workload  # noqa: E402  (section 2's GPT-3 175B: the same workload by construction)
+
+from topo_integrations.config import TopoAlignConfig  # noqa: E402
+from topo_integrations.sim import SimError, SimOptions, simulate  # noqa: E402
+from topo_integrations.sim.model import DTYPE_BYTES  # noqa: E402
+from topo_integrations.sim.scenario import options_from_block  # noqa: E402
+from topo_integrations.topology import topology_from_dict  # noqa: E402
+
+BEGIN, END = "<!-- costmodel_regions:begin -->", "<!-- costmodel_regions:end -->"
+DOC = os.path.join(ROOT, "docs", "costmodel.md")
+SUPERPOD = os.path.join(ROOT, "configs", "topologies", "dgx-a100-superpod-960.json")
+ISLANDS = (2, 4, 8, 16, 32, 64, 128)
+GBITS = (1, 10, 25, 100, 200, 400)
+NODES_PER_LEAF = 20  # a SuperPOD scalable unit
+KEYS = ("hier2-b2b", "selective", "localsgd")  # tie order: the exact algorithm first
+NAMES = {"hier2-b2b": "hierarchical", "selective": "selective", "localsgd": "post-local SGD"}
+SHORT = {"hier2-b2b": "H", "selective": "S", "localsgd": "P"}
+TIE = 0.01
+"""Step times within 1% of the fastest count as a tie (the model is not that precise: docs/costmodel.md 3-4)."""
+COMMAND = ".venv/bin/python scripts/costmodel_regions.py"
+
+
+@dataclass(frozen=True)
+class Cell:
+    islands: int
+    gbit: float
+    compute_s: float
+    step_s: dict[str, float]
+    slow_bytes: dict[str, float]
+    """Bytes per GPU and step on every tier but the island (NVLink): what leaves the island."""
+    sync_fraction: float
+    """Selective's SYNC share as the model prices it (last-N layers and promotion budget included)."""
+
+    @property
+    def winners(self) -> list[str]:
+        """The fastest algorithm and every one within TIE of it, exact algorithm first."""
+        best = min(self.step_s.values())
+        return [k for k in KEYS if self.step_s[k] <= best * (1.0 + TIE)]
+
+    @property
+    def runner_up(self) -> str | None:
+        rest = [k for k in KEYS if k not in self.winners]
+        return min(rest, key=lambda k: self.step_s[k]) if rest else None
+
+
+def options(inter_dtype: str | None = None, localsgd_period: int = 4, bucket_mb: float | None = None) -> SimOptions:
+    """This release's defaults (the config schema's `"topo_align"` block), the three algorithms."""
+    opt = options_from_block(TopoAlignConfig(), SimOptions())
+    kw = {"algorithms": KEYS, "localsgd_period": localsgd_period}
+    if inter_dtype is not None:
+        kw["inter_dtype"] = inter_dtype
+    if bucket_mb is not None:
+        kw["bucket_mb"] = bucket_mb
+    return replace(opt, **kw)
+
+
+def fabric(islands: int, gbit: float, base: dict):
+    """``islands`` DGX A100 nodes of the SuperPOD file, leaf and spine at ``gbit`` Gbit/s per GPU."""
+    d = copy.deepcopy(base)
+    d["name"] = f"{islands}x8, {gbit:g} Gbit/s"
+    for tier in ("leaf", "spine"):
+        d["tiers"][tier]["bandwidth_gbps"] = gbit / 8.0
+    d["tiers"]["spine"]["oversubscription"] = 1.0
+    hosts = [f"dgx{i:03d}" for i in range(1, islands + 1)]
+    d["leaves"] = [{"name": f"su{j // NODES_PER_LEAF + 1}", "hosts": hosts[j:j + NODES_PER_LEAF]}
+                   for j in range(0, islands, NODES_PER_LEAF)]
+    return topology_from_dict(d, source=f"costmodel_regions:{d['name']}")
+
+
+def _superpod() -> dict:
+    with open(SUPERPOD, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def sweep(islands=ISLANDS, gbits=GBITS, opt: SimOptions | None = None) -> list[Cell]:
+    opt = opt or options()
+    base = _superpod()
+    cells = []
+    for n in islands:
+        for g in gbits:
+            res = simulate(fabric(n, g, base), workload(1, 1), opt)
+            step = {k: res.row(k).step_s for k in KEYS}
+            slow = {k: sum(v for t, v in res.row(k).tier_bytes_per_gpu.items() if t != "island") for k in KEYS}
+            cells.append(Cell(n, g, res.compute_s, step, slow, res.workload["selective_sync_fraction"]))
+    return cells
+
+
+def _winner_cell(c: Cell) -> str:
+    w = c.winners
+    text = " = ".join(SHORT[k] for k in w)
+    text = f"**{text}**" if len(w) == 1 else text
+    text += f" {c.step_s[w[0]]:.1f} s"
+    if c.runner_up:
+        text += f" ({SHORT[c.runner_up]} {c.step_s[c.runner_up] / c.step_s[w[0]]:.2f}x)"
+    return text
+
+
+def render(cells: list[Cell], opt: SimOptions, command: str = COMMAND) -> str:
+    islands = list(dict.fromkeys(c.islands for c in cells))
+    gbits = list(dict.fromkeys(c.gbit for c in cells))
+    at = {(c.islands, c.gbit): c for c in cells}
+    cols = "| islands (GPUs) | " + " | ".join(f"{g:g} Gbit/s" for g in gbits) + " |"
+    inter = opt.inter_dtype or "the gradient dtype"
+    t, wl = _superpod()["tiers"], workload(1, 1)
+    out = [
+        f"Generated by `{command}` (simulated: the alpha-beta model; it prices communication and its overlap "
+        "with backward only, **not** model quality: selective and post-local SGD change the optimisation, "
+        "and their quality cost is not in these figures; docs/convergence.md, \"Many islands\", measures "
+        "selective's at 2, 4 and 8 islands).",
+        "",
+        f"Workload: section 2's pure-DP GPT-3 ({wl.params / 1e9:g}B parameters, {wl.num_layers} layers, "
+        f"{wl.grad_dtype} gradients, {wl.tokens_per_step:,.0f} tokens per step at {wl.mfu:.0%} MFU of "
+        f"{wl.peak_tflops:g} TFLOP/s), TP1 x PP1; the global batch is fixed, so compute per step falls as "
+        "1 / GPUs (last column of the step-time table). Fabric: islands of 8 GPUs = the DGX A100 nodes of "
+        f"{os.path.relpath(SUPERPOD, ROOT)} (NVLink {t['island']['bandwidth_gbps']:g} GB/s per GPU, "
+        f"{t['island']['latency_us']:g} us), leaves of up to {NODES_PER_LEAF} nodes, 1:1 spine, leaf and spine "
+        f"at the column's link speed per GPU ({t['leaf']['latency_us']:g} / {t['spine']['latency_us']:g} us), "
+        f"rank order by leaf. {opt.bucket_mb:g} MiB buckets launched during backward; hierarchical = "
+        f"`hier2-b2b`, its cross-island wire (`communication.inter_dtype`) {inter}; selective: SYNC share "
+        f"{cells[0].sync_fraction:.0%} (top fraction, last {opt.last_n_layers} layers and the promotion budget), "
+        f"SYNC wire {opt.sync_dtype}, LOCAL {opt.local_dtype}, {opt.reconcile_dtype} deltas every "
+        f"{opt.reconcile_interval} steps, {'async' if opt.async_reconcile else 'blocking'}; post-local SGD "
+        f"(`localsgd`): the fp32 parameters averaged over all ranks every {opt.localsgd_period} steps, blocking. "
+        "Everything else: this release's `\"topo_align\"` defaults.",
+        "",
+        "Winner by predicted step time, then its step time; in brackets the runner-up and its step time "
+        "over the winner's. H = hierarchical, S = selective, P = post-local SGD; `H = S`: a tie (within 1%), "
+        "bold: one winner alone.",
+        "",
+        cols + "\n|---|" + "---:|" * len(gbits),
+    ]
+    for n in islands:
+        out.append(f"| {n} ({8 * n}) | " + " | ".join(_winner_cell(at[(n, g)]) for g in gbits) + " |")
+    out += ["", "Step time, seconds: hierarchical / selective / post-local SGD (compute alone: last column):",
+            "", cols + " compute |\n|---|" + "---:|" * (len(gbits) + 1)]
+    for n in islands:
+        row = [" / ".join(f"{at[(n, g)].step_s[k]:.1f}" for k in KEYS) for g in gbits]
+        out.append(f"| {n} ({8 * n}) | " + " | ".join(row) + f" | {at[(n, gbits[0])].compute_s:.1f} |")
+    out += ["", "Slow-tier bytes (everything leaving the island) per GPU and step, GB; the same at every link "
+            "speed:", "",
+            "| islands (GPUs) | hierarchical | selective | post-local SGD | selective / hier. | "
+            "post-local / hier. |\n|---|---:|---:|---:|---:|---:|"]
+    for n in islands:
+        b = _bytes(at, n, gbits)
+        out.append(f"| {n} ({8 * n}) | {b['hier2-b2b'] / 1e9:.1f} | {b['selective'] / 1e9:.1f} | "
+                   f"{b['localsgd'] / 1e9:.1f} | {b['selective'] / b['hier2-b2b']:.2f} | "
+                   f"{b['localsgd'] / b['hier2-b2b']:.2f} |")
+    out += ["", "Cells each algorithm wins (ties counted for every algorithm in them):", ""]
+    for k in KEYS:
+        won = [c for c in cells if k in c.winners]
+        alone = [c for c in won if c.winners == [k]]
+        where = ", ".join(f"{c.islands}@{c.gbit:g}" for c in alone) or "none"
+        out.append(f"- {NAMES[k]}: {len(won)} of {len(cells)} cells, {len(alone)} alone (islands@Gbit/s: {where})")
+    return "\n".join(out) + "\n"
+
+
+def _bytes(at: dict, n: int, gbits: list) -> dict[str, float]:
+    """Slow-tier bytes of ``n`` islands; the model's bytes do not depend on the link speed (checked)."""
+    first = at[(n, gbits[0])].slow_bytes
+    for g in gbits[1:]:
+        other = at[(n, g)].slow_bytes
+        if any(not math.isclose(first[k], other[k], rel_tol=1e-9) for k in KEYS):
+            raise SimError(f"{n} islands: slow-tier bytes differ between {gbits[0]:g} and {g:g} Gbit/s")
+    return first
+
+
+def write_doc(text: str, path: str = DOC) -> None:
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    if BEGIN not in doc or END not in doc:
+        raise SimError(f"{path}: no {BEGIN} ... {END} markers")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + BEGIN + "\n" + text + END + tail)
+
+
+def doc_block(path: str = DOC) -> str:
+    """The tables as docs/costmodel.md holds them (between the markers)."""
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    return doc.split(BEGIN, 1)[1].split(END, 1)[0].lstrip("\n")
+
+
+def _islands(text: str) -> tuple[int, ...]:
+    try:
+        v = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}; expected a comma list of integers") from None
+    if not v or min(v) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}; expected island counts >= 2 (one island has no slow tier)")
+    return v
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        v = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}; expected a comma list of numbers") from None
+    if not v or not all(math.isfinite(x) and x > 0 for x in v):
+        raise argparse.ArgumentTypeError(f"{text!r}; expected positive numbers")
+    return v
+
+
+def _without_outputs(argv: list[str]) -> list[str]:
+    """The arguments that change the tables (not where they are written)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--markdown":
+            skip = True
+        elif not (a.startswith("--markdown=") or a == "--write-doc"):
+            out.append(a)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] + " Simulated.")
+    p.add_argument("--islands", type=_islands, default=ISLANDS, help="comma list of island counts (8 GPUs each)")
+    p.add_argument("--gbits", type=_floats, default=GBITS,
+                   help="comma list of inter-island link speeds, Gbit/s per GPU")
+    p.add_argument("--inter-dtype", choices=list(DTYPE_BYTES),
+                   help="hierarchical's cross-island wire (default: communication.inter_dtype's default)")
+    p.add_argument("--bucket-mb", type=lambda t: _floats(t)[0],
+                   help="bucket size, MiB (default: communication.bucket_size_mb's default)")
+    p.add_argument("--localsgd-period", type=int, default=4, help="post-local SGD's averaging period (default 4)")
+    p.add_argument("--markdown", metavar="PATH", help="also write the tables to PATH")
+    p.add_argument("--write-doc", action="store_true", help=f"replace the tables in {os.path.relpath(DOC, ROOT)}")
+    args = p.parse_args(argv)
+    try:
+        opt = options(args.inter_dtype, args.localsgd_period, args.bucket_mb)
+        shown = list(argv if argv is not None else sys.argv[1:])
+        command = " ".join([COMMAND, *_without_outputs(shown)])
+        text = render(sweep(args.islands, args.gbits, opt), opt, command)
+        if args.markdown:
+            try:
+                with open(args.markdown, "w", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError as exc:
+                raise SimError(f"--markdown {args.markdown}: cannot write ({exc.strerror or exc})") from None
+        if args.write_doc:
+            write_doc(text)
+    except SimError as exc:
+        print(f"costmodel_regions: {exc}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
