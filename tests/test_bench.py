@@ -102,6 +102,86 @@ def test_selective_and_post_local_sgd_average_over_the_run():
     assert pl["node"] == pytest.approx((2 * 3 * S + 2 * 3 * S) / 10)
 
 
+PRESET_INFO = {"steps": 40, "sync_fraction": 0.25, "reconcile_interval": 2, "reconciles": 20, "sync_dtype": "bf16",
+               "reconcile_dtype": "bf16", "moments_interval": 4, "localsgd_warmup": 6, "averaging_period": 4,
+               "averages": 8, "syncs": 10}
+# Per-step payload: SYNC 0.25 * P elements on bf16 (0.5 MB); 20 reconciliations of the 0.75 * P LOCAL
+# elements: values 4 + 19 * 2 B (first fp32, then bf16 deltas) + moments at every 4th (5 x 2 x 4 B)
+# = 82 B/element = 61.5 MB over the run.
+REC_TOTAL = 0.75 * P * (4 + 19 * 2 + 5 * 2 * 4)
+
+
+def _preset_theory(name, keys, topo_set=None):
+    from topo_integrations.bench.driver import PRESETS
+    from topo_integrations.bench.systems import system_layout
+    from topo_integrations.topology.file_source import load_topology_file
+
+    pr = PRESETS[name]
+    path = str(ROOT / pr.topology)
+    topo = load_topology_file(path)
+    lay = {k: system_layout(k, topo, topology_file=path, group_by=pr.group_by, middle_level=pr.middle_level,
+                            topo_set=topo_set) for k in keys}
+    return lay, {k: theory_bytes(k, lay[k], P, PRESET_INFO) for k in keys}
+
+
+@pytest.mark.timeout(30)
+def test_4x1_selective_theory_plans_islands_of_one_like_the_plugin():
+    from topo_integrations.bench.systems import in_group, selective_parts
+
+    keys = ("ds-zero0", "ddp", "topo-flat", "topo-hier", "ds-topo-hier", "topo-selective", "ds-topo-selective",
+            "ds-topo-selective-z1", "post-local-sgd", "torchft-diloco")
+    lay, th = _preset_theory("4x1", keys)
+    for key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1"):
+        # The plugin's plan for mode selective (issue 31): groups of one rank, one rail of all 4.
+        assert lay[key].groups == ((0,), (1,), (2,), (3,)) and lay[key].rails == ((0, 1, 2, 3),)
+        parts = selective_parts(lay[key], P, PRESET_INFO)
+        # SYNC: a bf16 all-reduce over the rail of 4 ranks on 4 nodes, every step: 4 edges x 2*3/4 x 0.5 MB.
+        assert parts["sync"] == pytest.approx({"node": 6 * 0.25 * P * 2, "leaf": 0.0})
+        assert parts["sync"]["node"] > 0
+        # Reconciliation: the same rail all-reduce of the deltas and moments every 2 steps.
+        assert parts["reconcile"] == pytest.approx({"node": 6 * REC_TOTAL / 40, "leaf": 0.0})
+        assert parts["reconcile"]["node"] > 0
+        # LOCAL: groups of one rank, nothing to reduce inside them.
+        assert in_group(lay[key], S) == {"node": 0.0, "leaf": 0.0}
+        assert all(ring_bytes(lay[key], g, S, "allreduce") == {"node": 0.0, "leaf": 0.0} for g in lay[key].groups)
+        assert th[key] == pytest.approx({"node": 3e6 + 9.225e6, "leaf": 0.0})  # was the flat 6 S = 24 MB
+    # Every other mode keeps the flat plan there: unchanged.
+    for key in ("ds-zero0", "ddp", "topo-flat", "topo-hier", "ds-topo-hier"):
+        assert th[key] == {"node": 6 * S, "leaf": 0.0}
+    assert lay["topo-hier"].groups is None and lay["post-local-sgd"].groups is None
+    assert th["post-local-sgd"] == pytest.approx({"node": 8.4e6, "leaf": 0.0})
+    assert th["torchft-diloco"] == pytest.approx({"node": 6e6, "leaf": 0.0})
+    # The planner's rule, not a copy: tiers within topology.min_tier_ratio (island 0.5 vs leaf
+    # 0.025 GB/s is 20x) make selective flat again.
+    lay, th = _preset_theory("4x1", ("topo-selective",), {"topology.min_tier_ratio": 50})
+    assert lay["topo-selective"].groups is None and th["topo-selective"] == {"node": 6 * S, "leaf": 0.0}
+    # A plan the plugin refuses (three levels asked for on one leaf) leaves that system without theory.
+    from topo_integrations.bench.driver import PRESETS
+    from topo_integrations.bench.systems import theory_layouts
+    from topo_integrations.topology.file_source import load_topology_file
+
+    path, said = str(ROOT / PRESETS["4x1"].topology), []
+    lays = theory_layouts(("ddp", "topo-selective"), load_topology_file(path), log=said.append, topology_file=path,
+                          group_by="island", middle_level=True)
+    assert lays["topo-selective"] is None and lays["ddp"].groups is None
+    assert len(said) == 1 and said[0].startswith("bench: topo-selective: no theoretical bytes (plan refused: ")
+
+
+@pytest.mark.timeout(30)
+def test_2x2_preset_theory_is_unchanged():
+    # Pinned from the theory before the per-system plan (one mode-less plan for every system).
+    pinned = {
+        "ds-zero0": 12e6, "ds-zero2": 12e6, "megatron-ddp": 12e6, "megatron-distopt": 8e6, "ddp": 12e6,
+        "ddp-fp16": 6e6, "post-local-sgd": 4.2e6, "topo-flat": 12e6, "topo-hier": 8e6, "topo-selective": 4.075e6,
+        "ds-topo-hier": 8e6, "ds-topo-selective": 4.075e6, "ds-topo-selective-z1": 4.075e6,
+        "torchft-diloco": 4e6, "torchft-localsgd": 4e6, "post-local-sgd-h8": 4.2e6, "torchft-diloco-h16": 4e6,
+    }
+    lay, th = _preset_theory("2x2", tuple(pinned))
+    assert {k: v["node"] for k, v in th.items()} == pytest.approx(pinned)
+    assert all(v["leaf"] == 0.0 for v in th.values())
+    assert lay["topo-selective"].groups == lay["ddp"].groups == ((0, 1), (2, 3))
+
+
 @pytest.mark.timeout(30)
 def test_topo_set_and_middle_level_reach_the_block():
     from topo_integrations.bench.systems import LOCALSGD_PERIOD

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..topology.file_source import load_topology_file
 from ..topology.planner import plan_groups
+from . import systems
 from .budget import budget_for, run_order, train_seconds
 from .presets import PRESETS, REFERENCE, Preset
 from .systems import DEFAULT_SYSTEMS, SYSTEMS, Layout, availability, averaging_period, is_local, resolve, theory_bytes
@@ -230,11 +231,8 @@ class _Poller(threading.Thread):
 
 
 def _layout(topo, group_by: str, middle_level: bool = False) -> Layout:
-    plan = plan_groups(topo, group_by=group_by, middle_level=middle_level)
-    three = plan.hierarchical and plan.middle_level
-    return Layout(tuple(r.host for r in topo.ranks), tuple(r.leaf for r in topo.ranks),
-                  tuple(tuple(g) for g in plan.intra_groups) if plan.hierarchical else None,
-                  leaf_rails=plan.leaf_rails if three else (), spine_rails=plan.spine_rails if three else ())
+    """The preset's mode-less plan: the groups of post-local SGD, torchft and ``results['layout']``."""
+    return systems.plan_layout(topo, plan_groups(topo, group_by=group_by, middle_level=middle_level))
 
 
 def machine_description() -> dict:
@@ -275,6 +273,10 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
     topo = load_topology_file(spec.topology_file)
     group_by = spec.group_by or preset.group_by
     layout = _layout(topo, group_by, preset.middle_level)
+    theory_layouts = systems.theory_layouts(  # per system: its own plan (a topo-align system's mode)
+        spec.systems, topo, log=log, topology_file=spec.topology_file, group_by=group_by,
+        middle_level=preset.middle_level, topo_set=spec.topo_set, sync_last_n_layers=spec.sync_last_n_layers,
+        reconcile_interval=spec.reconcile_interval)
     world = topo.world_size
     os.makedirs(spec.out_dir, exist_ok=True)
     reason = unavailable_reason()
@@ -336,7 +338,8 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
                 tag = key if spec.repeats == 1 else os.path.join(key, f"run{rep + 1}")
                 budget, why = budget_for(key, round_budget, equal_budget=spec.equal_budget, budget_s=spec.budget_s)
                 one = {"status": "failed", "reason": why} if why else _run_one(
-                    cluster, launch, spec, key, i, layout, group_by, train_npz, val_npz, log, tag=tag, budget_s=budget)
+                    cluster, launch, spec, key, i, layout, group_by, train_npz, val_npz, log, tag=tag, budget_s=budget,
+                    theory_layout=theory_layouts.get(key))
                 if spec.equal_budget and key == REFERENCE and spec.budget_s is None and one["status"] == "ok":
                     round_budget = train_seconds(one["result"])
                     log(f"bench: round {rep + 1}: budget {round_budget:.1f} s ({REFERENCE}, {spec.steps} steps)")
@@ -395,7 +398,7 @@ class _unshaped:
 
 def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Layout, group_by: str,
              train_npz: str, val_npz: str, log, *, tag: str | None = None, budget_s: float | None = None,
-             evaluate: bool = True) -> dict:
+             evaluate: bool = True, theory_layout: Layout | None = None) -> dict:
     sys_dir = os.path.abspath(os.path.join(spec.out_dir, tag or key))
     ctl = os.path.join(sys_dir, "ctl")
     os.makedirs(ctl, exist_ok=True)
@@ -452,7 +455,7 @@ def _run_one(cluster, launch, spec: BenchSpec, key: str, index: int, layout: Lay
         entry["counters_error"] = poller.error or "a mark was not answered"
     else:
         entry["measured"] = _measured(poller.snaps, int(r.get("steps_taken", spec.steps)))
-    th = theory_bytes(key, layout, r["params"], r.get("info", {}))
+    th = theory_bytes(key, theory_layout, r["params"], r.get("info", {})) if theory_layout is not None else None
     if th is not None:
         entry["theory"] = {"cross_node_bytes_per_step": th["node"], "cross_leaf_bytes_per_step": th["leaf"]}
     log(f"bench: {tag or key}: done in {wall:.0f} s (load {env_note['load_end']:.1f})")

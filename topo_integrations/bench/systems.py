@@ -24,13 +24,14 @@ LOCALSGD_PERIOD = 4
 
 __all__ = ["System", "SYSTEMS", "DEFAULT_SYSTEMS", "Layout", "ring_bytes", "theory_bytes", "availability",
            "LOCALSGD_PERIOD", "LOCAL_METHODS", "resolve", "averaging_period", "is_local", "torchft_period",
-           "TORCHFT_SYSTEMS"]
+           "TORCHFT_SYSTEMS", "TOPO_MODES", "topo_block", "plan_layout", "system_layout", "theory_layouts",
+           "selective_parts"]
 
 
 @dataclass(frozen=True)
 class Layout:
     """Where each rank sits: ``hosts[r]`` and ``leaves[r]``; ``groups`` = topo-align's intra groups
-    for this preset (None when the plan is flat)."""
+    for this preset and the system's mode (None when the plan is flat; ``system_layout``)."""
 
     hosts: tuple[str, ...]
     leaves: tuple[str, ...]
@@ -123,17 +124,10 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
     if key in ("topo-hier", "ds-topo-hier"):
         return hierarchical(layout, S)
     if key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1"):
-        # ZeRO-1 shards the moments inside the group; each shard is averaged over the rail, which
-        # crosses the node cut with the same bytes as the hierarchical rail step. SYNC crosses in
-        # sync.dtype.
-        f = info.get("sync_fraction")
-        if f is None or layout.groups is None:
-            return hierarchical(layout, S) if layout.groups is None else None
-        H = int(info.get("reconcile_interval", 4))
-        n_rec = int(info.get("reconciles", steps // H))
-        rec = hierarchical(layout, reconcile_payload(params * (1 - f), n_rec, info))
-        sync = hierarchical(layout, f * params * WIRE_BYTES[info.get("sync_dtype", "fp32")])
-        return {k: sync[k] + rec[k] / steps for k in sync}
+        if layout.groups is None:  # the plan is flat: selective falls back to one all-reduce
+            return flat_ring(layout, S)
+        parts = selective_parts(layout, params, info)
+        return None if parts is None else _add(parts["sync"], parts["reconcile"])
     if averaging_period(key) is not None:
         w = min(steps, int(info.get("localsgd_warmup", 0)))
         H = int(info.get("averaging_period", 4))
@@ -161,6 +155,35 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1 + 4 / 256}  # int8: one fp32 scale per 256
 
 
+def selective_parts(layout: Layout, params: int, info: dict) -> dict[str, dict[str, float]] | None:
+    """Selective's bytes per step across the node and leaf cuts, by what crosses them, on a
+    two- or three-level ``layout`` (its plan for mode ``selective``; ``system_layout``):
+
+    - ``sync``: the SYNC fraction (``info['sync_fraction']``) of the gradients on the ``sync.dtype``
+      wire, every step, as the hierarchical pattern (intra reduce-scatter, rail all-reduce of the
+      shard, intra all-gather); with groups of one rank (islands of one, issue 31) that is one
+      all-reduce over the rail of every rank;
+    - ``reconcile``: the LOCAL parameters (and Adam moments, ``reconcile_payload``) averaged the
+      same way every ``reconcile_interval`` steps, averaged over ``info['steps']``. ZeRO-1 shards the
+      moments inside the group; each shard is averaged over the rail, which crosses the node cut
+      with the same bytes as the hierarchical rail step.
+
+    LOCAL gradients are all-reduced inside each intra group only (``in_group``) and are not counted:
+    that crosses no cut where the groups sit inside a node, and groups of one rank do not reduce
+    LOCAL at all; with ``group_by`` leaf (the 2leaf preset) the groups span node uplinks and that
+    traffic is left out, as it always was. None when the worker did not report ``sync_fraction``.
+    """
+    f = info.get("sync_fraction")
+    if f is None or layout.groups is None:
+        return None
+    steps = max(1, int(info.get("steps", 1)))
+    H = int(info.get("reconcile_interval", 4))
+    n_rec = int(info.get("reconciles", steps // H))
+    rec = hierarchical(layout, reconcile_payload(params * (1 - f), n_rec, info))
+    sync = hierarchical(layout, f * params * WIRE_BYTES[info.get("sync_dtype", "fp32")])
+    return {"sync": sync, "reconcile": {k: v / steps for k, v in rec.items()}}
+
+
 def reconcile_payload(local_elements: float, n_rec: int, info: dict) -> float:
     """Bytes handed to the cross-group average by ``n_rec`` reconciliations of ``local_elements``
     LOCAL parameters trained with Adam (reducer/reconcile.py):
@@ -183,6 +206,81 @@ def reconcile_payload(local_elements: float, n_rec: int, info: dict) -> float:
     mwire = WIRE_BYTES[info.get("moments_dtype", "fp32")]
     moments = 2 * averages(n_rec // max(1, int(info.get("moments_interval", 1))), mwire, mwire != 4)
     return local_elements * (values + moments)
+
+
+TOPO_MODES: dict[str, str] = {
+    "topo-flat": "flat", "topo-hier": "hierarchical", "topo-selective": "selective",
+    "ds-topo-hier": "hierarchical", "ds-topo-selective": "selective", "ds-topo-selective-z1": "selective",
+}
+"""The ``topo_align.mode`` each topo-align system runs (trainers.build)."""
+
+
+def topo_block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
+    """The ``topo_align`` block a topo-align system runs with (trainers; ``system_layout`` plans
+    from the same block): the worker spec's topology, ``--sync-last-n-layers``,
+    ``--reconcile-interval`` and ``--topo-set`` keys."""
+    block = {
+        "enabled": True, "mode": mode,
+        "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
+                     "middle_level": bool(spec.get("middle_level", False))},
+        "sync": {"last_n_layers": spec["sync_last_n_layers"]},
+        "local": {"async_reconcile": async_reconcile},
+    }
+    if spec.get("reconcile_interval"):  # --reconcile-interval; else topo-align's own default
+        block["local"]["reconcile_interval"] = spec["reconcile_interval"]
+    for dotted, value in spec.get("topo_set", {}).items():  # --topo-set (checked by BenchSpec.check)
+        *parents, leaf = dotted.split(".")
+        node = block
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return block
+
+
+def plan_layout(topo, plan) -> Layout:
+    """The ``Layout`` of ``plan`` (topology.planner.Plan) on ``topo``: groups None when it is flat."""
+    three = plan.hierarchical and plan.middle_level
+    return Layout(tuple(r.host for r in topo.ranks), tuple(r.leaf for r in topo.ranks),
+                  tuple(tuple(g) for g in plan.intra_groups) if plan.hierarchical else None,
+                  leaf_rails=plan.leaf_rails if three else (), spine_rails=plan.spine_rails if three else ())
+
+
+def system_layout(key: str, topo, *, topology_file: str, group_by: str, middle_level: bool = False,
+                  topo_set: dict | None = None, sync_last_n_layers: int = 1,
+                  reconcile_interval: int | None = None) -> Layout:
+    """The layout the theory prices system ``key`` on. A topo-align system: the plan the plugin
+    makes for it, ``reducer.groups.plan_for`` on the config the system runs with (``topo_block``:
+    its mode, group_by, middle_level, ``--topo-set`` keys such as ``topology.min_tier_ratio``), so
+    ``selective`` keeps two levels on islands of one rank where the planner does (issue 31). Every
+    other system: the mode-less plan of ``group_by`` (the groups post-local SGD, torchft and the
+    report follow). Raises ``ValueError`` (``PlanError``) where the plugin would refuse the plan."""
+    from ..topology.planner import plan_groups
+
+    mode = TOPO_MODES.get(key)
+    if mode is None:
+        return plan_layout(topo, plan_groups(topo, group_by=group_by, middle_level=middle_level))
+    from ..config import TopoAlignConfig
+    from ..reducer.groups import plan_for
+
+    spec = {"topology_file": topology_file, "group_by": group_by, "middle_level": middle_level,
+            "sync_last_n_layers": sync_last_n_layers, "reconcile_interval": reconcile_interval,
+            "topo_set": dict(topo_set or {})}
+    cfg = TopoAlignConfig.model_validate(topo_block(spec, mode, async_reconcile=False))
+    return plan_layout(topo, plan_for(cfg, topo))
+
+
+def theory_layouts(keys: Sequence[str], topo, *, log: Callable[[str], None] = print, **plan) -> dict:
+    """Per system of ``keys``: the layout its theoretical bytes are priced on (``system_layout`` with
+    ``plan``'s keywords); None where the plugin would refuse the plan (the system fails at start-up
+    and has no theory)."""
+    out: dict = {}
+    for key in dict.fromkeys(keys):
+        try:
+            out[key] = system_layout(key, topo, **plan)
+        except ValueError as exc:
+            out[key] = None
+            log(f"bench: {key}: no theoretical bytes (plan refused: {str(exc).splitlines()[0]})")
+    return out
 
 
 def _node_groups(layout: Layout) -> tuple[tuple[int, ...], ...] | None:

@@ -14,7 +14,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from .systems import LOCALSGD_PERIOD, torchft_period
+from .systems import LOCALSGD_PERIOD, topo_block, torchft_period
 
 __all__ = ["build", "lr_at_step"]
 
@@ -234,23 +234,8 @@ def _reconcile_info(cfg) -> dict:
             "outer_optimizer": loc.outer_momentum > 0 or loc.outer_lr != 1.0}
 
 
-def _block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
-    block = {
-        "enabled": True, "mode": mode,
-        "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
-                     "middle_level": bool(spec.get("middle_level", False))},
-        "sync": {"last_n_layers": spec["sync_last_n_layers"]},
-        "local": {"async_reconcile": async_reconcile},
-    }
-    if spec.get("reconcile_interval"):  # --reconcile-interval; else topo-align's own default
-        block["local"]["reconcile_interval"] = spec["reconcile_interval"]
-    for dotted, value in spec.get("topo_set", {}).items():  # --topo-set (checked by BenchSpec.check)
-        *parents, leaf = dotted.split(".")
-        node = block
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return block
+_block = topo_block
+"""The ``topo_align`` block of a topo-align system (bench/systems.py ``topo_block``: the theory plans from it too)."""
 
 
 class _Reducer(_Plain):
