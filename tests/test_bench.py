@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from topo_integrations.bench.cli import write_section
+from topo_integrations.bench.presets import PRESETS
 from topo_integrations.bench.report import markdown, summarize
 from topo_integrations.bench.systems import SYSTEMS, Layout, System, availability, ring_bytes, theory_bytes
 from topo_integrations.emulate.netns import list_namespaces, probe_unavailable_reason
@@ -122,6 +123,34 @@ def _preset_theory(name, keys, topo_set=None):
     lay = {k: system_layout(k, topo, topology_file=path, group_by=pr.group_by, middle_level=pr.middle_level,
                             topo_set=topo_set) for k in keys}
     return lay, {k: theory_bytes(k, lay[k], P, PRESET_INFO) for k in keys}
+
+
+@pytest.mark.timeout(30)
+def test_many_island_long_presets_price_each_system_on_its_plan():
+    # 4x2-long: 4 islands of 2 ranks; 8x1-long: 8 islands of one rank (issue 31, item 4).
+    from topo_integrations.bench.cli import MODELS
+
+    keys = ("ds-zero0", "topo-hier", "topo-selective", "post-local-sgd")
+    for name, nodes, per_node in (("4x2-long", 4, 2), ("8x1-long", 8, 1)):
+        pr = PRESETS[name]
+        assert pr.model == "deep" and MODELS["deep"]["layers"] == 16 and pr.uplink_mbit == 100.0
+        assert pr.defaults["steps"] == PRESETS["2x2-long"].defaults["steps"] and pr.defaults["repeats"] == 1
+        assert pr.systems[0] == "ds-zero0" and set(keys) == set(pr.systems)
+        lay, th = _preset_theory(name, keys)
+        world = nodes * per_node
+        assert len(lay["ds-zero0"].hosts) == world and len(set(lay["ds-zero0"].hosts)) == nodes
+        # The flat ring: `nodes` of its `world` edges cross a node uplink, 2 (W-1)/W x S each.
+        assert th["ds-zero0"]["node"] == pytest.approx(nodes * 2 * (world - 1) / world * S)
+        sel = lay["topo-selective"]
+        assert sel.groups == tuple(tuple(range(n * per_node, (n + 1) * per_node)) for n in range(nodes))
+        assert sel.rails == tuple(tuple(range(k, world, per_node)) for k in range(per_node))
+        # SYNC and reconciliation: the hierarchical pattern, one rail ring of `nodes` ranks per shard.
+        rail = nodes * 2 * (nodes - 1) / nodes
+        assert th["topo-selective"]["node"] == pytest.approx(rail * (0.25 * P * 2 + REC_TOTAL / 40))
+        if per_node == 1:  # islands of one: hierarchical is the flat ring, as the plugin plans it
+            assert lay["topo-hier"].groups is None and th["topo-hier"] == th["ds-zero0"]
+        else:
+            assert th["topo-hier"]["node"] == pytest.approx(rail * S)
 
 
 @pytest.mark.timeout(30)
@@ -301,6 +330,11 @@ def test_summary_target_and_goals():
     md = markdown(alone)
     assert "Workload: GPT 1 layers x 8 hidden" in md and "No target loss (no reference system in this run)." in md
     res["layout"] = {"groups": None}  # the flat 4x1 preset: the fallback's overhead against stock
+    res["topology_file"] = PRESETS["4x1"].topology
+    summarize(res)
+    # There the plugin plans selective on islands of one rank and a rail (issue 31): no fallback to judge.
+    assert not [g for g in res["goals"] if "fallback" in g["goal"]]
+    res["spec"]["topo_set"] = {"topology.min_tier_ratio": 50}  # tiers within the ratio: selective falls back to flat
     summarize(res)
     assert not [g for g in res["goals"] if g["goal"].startswith("ds-topo-selective: fallback")]  # not asked for
     fb = goal("topo-selective: fallback")

@@ -1,7 +1,8 @@
 """`topo-align bench`: train the same GPT side by side under each system on one emulated cluster.
 
-    topo-align bench [--preset 2x2|2x2-long|4x1|2leaf|2leaf8] [--systems a,b,...] [--steps N] [--quick]
-                     [--out-dir DIR] [--markdown FILE] [--img-dir DIR] [--target-loss X] ...
+    topo-align bench [--preset 2x2|2x2-long|4x2-long|8x1-long|4x1|2leaf|2leaf8] [--systems a,b,...]
+                     [--steps N] [--quick] [--out-dir DIR] [--markdown FILE] [--img-dir DIR]
+                     [--target-loss X] ...
 
 Thin command-line shim over :mod:`topo_integrations.bench` (driver, systems, report). Exit code 0
 when every requested system ran or was reported "not run (reason)", 1 when a system failed, 2 on
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="2x2", choices=sorted(PRESETS),
                    help="emulated cluster: 2x2 (default; 2 nodes x 2 ranks, 200 Mbit/s uplinks), 4x1, 2leaf, 2leaf8; "
                         "2x2-long: the long-horizon comparison (deep GPT, 100 Mbit/s, equal wall-clock budget, "
-                        "validation curves; docs/benchmarks.md)")
+                        "validation curves; docs/benchmarks.md), 4x2-long and 8x1-long: the same at 4 and 8 islands")
     p.add_argument("--systems", default=None, metavar="A,B,...",
                    help="comma-separated subset, in run order (default: the preset's, else all but the optional "
                         f"torchft peers): {', '.join(SYSTEMS)}, post-local-sgd-hN (post-local SGD averaging every N "
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(VALUE read as JSON, else a string); repeatable")
     p.add_argument("--comm-share", action=argparse.BooleanOptionalAction, default=None,
                    help="also run ds-zero0 with every link unshaped and report the share of its step spent "
-                        "communicating (default: on for 2x2-long only)")
+                        "communicating (default: on for the long presets only)")
     p.add_argument("--eval-interval", type=int, default=None, metavar="N",
                    help="validation loss on held-out data every N steps, off the clock and the byte counters, "
                         "after averaging the replicas of the local methods (2x2-long: 25)")

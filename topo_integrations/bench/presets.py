@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Preset", "PRESETS", "LONG_SYSTEMS", "REFERENCE"]
+__all__ = ["Preset", "PRESETS", "LONG_SYSTEMS", "LONG_SYSTEMS_MANY", "REFERENCE"]
 
 REFERENCE = "ds-zero0"
 """The reference system: its time for ``--steps`` steps is the wall-clock budget of every other
@@ -18,6 +18,11 @@ system in the same round (``equal_budget``), its final validation loss sets "fla
 LONG_SYSTEMS = ("ds-zero0", "ddp", "ddp-fp16", "post-local-sgd", "megatron-distopt", "topo-hier",
                 "topo-selective", "ds-topo-selective", "ds-topo-selective-z1")
 """Systems of the long-horizon preset, in run order (the reference first: it sets the budget)."""
+
+LONG_SYSTEMS_MANY = ("ds-zero0", "post-local-sgd", "topo-hier", "topo-selective")
+"""Systems of the 4- and 8-island long presets (8 ranks on the machine's cores: one round of the
+systems the goals compare, plus topo-align hierarchical; ``--localsgd-sweep`` adds post-local SGD's
+other periods)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,14 @@ PRESETS: dict[str, Preset] = {
                        "2 nodes x 2 ranks, node uplinks 100 Mbit/s, the deep GPT; every system trains for stock "
                        "DeepSpeed ZeRO-0's wall time of --steps steps, validation loss along the run",
                        model="deep", defaults=LONG_DEFAULTS, systems=LONG_SYSTEMS),
+    "4x2-long": Preset("configs/topologies/virtual-4x2.json", "island", 100.0,
+                       "4 nodes x 2 ranks (4 islands, 8 ranks), node uplinks 100 Mbit/s, the deep GPT; 2x2-long's "
+                       "equal wall-clock comparison at 4 islands (issue 31)",
+                       model="deep", defaults=LONG_DEFAULTS | {"repeats": 1}, systems=LONG_SYSTEMS_MANY),
+    "8x1-long": Preset("configs/topologies/virtual-8x1.json", "island", 100.0,
+                       "8 nodes x 1 rank (8 islands of one rank), node uplinks 100 Mbit/s, the deep GPT; 2x2-long's "
+                       "equal wall-clock comparison at 8 islands (issue 31)",
+                       model="deep", defaults=LONG_DEFAULTS | {"repeats": 1}, systems=LONG_SYSTEMS_MANY),
     "4x1": Preset("configs/topologies/virtual-4x1.json", "island", 200.0,
                   "4 nodes x 1 rank under one leaf, node uplinks 200 Mbit/s (a flat cluster)"),
     "2leaf": Preset("configs/topologies/virtual-2leaf.json", "leaf", 200.0,

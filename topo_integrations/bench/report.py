@@ -195,9 +195,9 @@ def _goals(results: dict, ok: dict) -> list[dict]:
                 parts.append(f"cross-{cut} {fmt_bytes(m)}/step vs theory {fmt_bytes(th)}/step ({(q - 1) * 100:+.1f}%)")
             g.update(met=bool(met), detail="measured " + "; ".join(parts))
         goals.append(g)
-    if results.get("layout", {}).get("groups", ...) is None:  # a flat preset: topo-align falls back to flat
+    if results.get("layout", {}).get("groups", ...) is None:  # a flat preset: topo-align may fall back to flat
         for key, stock in (("topo-selective", "ddp"), ("ds-topo-selective", "ds-zero0")):
-            if key not in asked:
+            if key not in asked or not _planned_flat(results, key):
                 continue
             e, b = ok.get(key), ok.get(stock)
             g = {"goal": f"{key}: fallback to flat within 3% of {stock}'s median step", "systems": (key, stock)}
@@ -209,6 +209,25 @@ def _goals(results: dict, ok: dict) -> list[dict]:
                                                         f"{b['summary']['step_median_s']:.3f} s ({over * 100:+.1f}%)")
             goals.append(g)
     return goals
+
+
+def _planned_flat(results: dict, key: str) -> bool:
+    """Whether the plugin plans system ``key`` flat on the run's topology (its own mode's plan,
+    ``systems.system_layout``): on islands of one rank ``selective`` keeps groups of one and a rail
+    (issue 31), so the "fallback to flat" goal does not apply to it. A run whose topology file is
+    gone counts as flat, the rule of the mode-less layout it recorded."""
+    from ..topology.file_source import load_topology_file
+    from .driver import REPO_ROOT
+    from .systems import system_layout
+
+    spec, path = results.get("spec", {}), os.path.join(REPO_ROOT, results.get("topology_file", ""))
+    if not os.path.isfile(path):
+        return True
+    layout = system_layout(key, load_topology_file(path), topology_file=path, group_by=results["group_by"],
+                           middle_level=bool(results.get("layout", {}).get("leaf_rails")),
+                           topo_set=spec.get("topo_set"), sync_last_n_layers=spec.get("sync_last_n_layers", 1),
+                           reconcile_interval=spec.get("reconcile_interval"))
+    return layout.groups is None
 
 
 PEERS = ("ds-zero0", "ds-zero2", "megatron-ddp", "megatron-distopt", "ddp", "ddp-fp16", "post-local-sgd")
