@@ -224,8 +224,9 @@ def test_defaults_follow_the_plugin():
 
 
 def test_bench_check_predicts_the_long_preset_within_25_percent(tmp_path, capsys):
-    """Issue 25 item 4: every system of the measured 2x2-long run (docs/data/bench-2x2-long.json)
-    priced within 25 % on the mean step time and on the cross-node bytes per step."""
+    """Issue 25 item 4 (and issue 31 item 4 at 4 and 8 islands): every system of the measured long
+    runs (docs/data/bench-*-long*.json) priced within 25 % on the mean step time and on the
+    cross-node bytes per step."""
     from pathlib import Path
 
     from topo_integrations.sim.benchcheck import check_bench
@@ -245,6 +246,11 @@ def test_bench_check_predicts_the_long_preset_within_25_percent(tmp_path, capsys
     # selective rows carry moments_dtype into the price
     assert sim_main(["--bench", str(root / "docs/data/bench-2x2-long-moments16.json"), "--compute-s", "0.123"]) == 0
     assert "5 of 5 systems within 25%" in capsys.readouterr().out
+    # issue 31 item 4: the long horizon at 4 islands of 2 and 8 islands of one rank (8 ranks each),
+    # compute per step from each run's own unshaped ZeRO-0
+    for name, n in (("bench-4x2-long", 5), ("bench-8x1-long", 4)):
+        assert sim_main(["--bench", str(root / f"docs/data/{name}.json")]) == 0
+        assert f"{n} of {n} systems within 25%" in capsys.readouterr().out, name
     for argv, msg in ((["--params", "1e9", "--compute-s", "1"],
                        "--topology FILE is required (or --bench RESULTS.json)"),
                       (["--bench", str(tmp_path / "none.json")], f"--bench {tmp_path / 'none.json'}: cannot read JSON"),
