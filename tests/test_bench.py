@@ -330,11 +330,12 @@ def test_summary_target_and_goals():
     md = markdown(alone)
     assert "Workload: GPT 1 layers x 8 hidden" in md and "No target loss (no reference system in this run)." in md
     res["layout"] = {"groups": None}  # the flat 4x1 preset: the fallback's overhead against stock
-    res["topology_file"] = PRESETS["4x1"].topology
+    sel = next(e for e in res["systems"] if e["key"] == "topo-selective")
+    sel["planned_flat"] = False
     summarize(res)
     # There the plugin plans selective on islands of one rank and a rail (issue 31): no fallback to judge.
     assert not [g for g in res["goals"] if "fallback" in g["goal"]]
-    res["spec"]["topo_set"] = {"topology.min_tier_ratio": 50}  # tiers within the ratio: selective falls back to flat
+    sel["planned_flat"] = True  # tiers within min_tier_ratio: selective falls back to flat
     summarize(res)
     assert not [g for g in res["goals"] if g["goal"].startswith("ds-topo-selective: fallback")]  # not asked for
     fb = goal("topo-selective: fallback")

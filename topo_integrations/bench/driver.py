@@ -317,7 +317,9 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
         entries = {}
         for key in spec.systems:
             system = resolve(key)
-            entry = {"key": key, "label": system.label, "framework": system.framework, "note": system.note}
+            plan = theory_layouts.get(key)  # its own mode's plan: the report's flat-fallback goal reads it
+            entry = {"key": key, "label": system.label, "framework": system.framework, "note": system.note,
+                     "planned_flat": plan is not None and plan.groups is None}
             why = availability(system)
             if why:
                 entry.update(status="not run", reason=why)

@@ -212,22 +212,12 @@ def _goals(results: dict, ok: dict) -> list[dict]:
 
 
 def _planned_flat(results: dict, key: str) -> bool:
-    """Whether the plugin plans system ``key`` flat on the run's topology (its own mode's plan,
-    ``systems.system_layout``): on islands of one rank ``selective`` keeps groups of one and a rail
-    (issue 31), so the "fallback to flat" goal does not apply to it. A run whose topology file is
-    gone counts as flat, the rule of the mode-less layout it recorded."""
-    from ..topology.file_source import load_topology_file
-    from .driver import REPO_ROOT
-    from .systems import system_layout
-
-    spec, path = results.get("spec", {}), os.path.join(REPO_ROOT, results.get("topology_file", ""))
-    if not os.path.isfile(path):
-        return True
-    layout = system_layout(key, load_topology_file(path), topology_file=path, group_by=results["group_by"],
-                           middle_level=bool(results.get("layout", {}).get("leaf_rails")),
-                           topo_set=spec.get("topo_set"), sync_last_n_layers=spec.get("sync_last_n_layers", 1),
-                           reconcile_interval=spec.get("reconcile_interval"))
-    return layout.groups is None
+    """Whether the run planned system ``key`` flat (the driver records each system's own plan,
+    ``planned_flat``): on islands of one rank ``selective`` keeps groups of one and a rail (issue
+    31), so the "fallback to flat" goal does not apply to it. Results written before the field
+    count as flat, the rule of the mode-less layout they recorded."""
+    entry = next((e for e in results.get("systems", []) if e.get("key") == key), {})
+    return entry.get("planned_flat", True)
 
 
 PEERS = ("ds-zero0", "ds-zero2", "megatron-ddp", "megatron-distopt", "ddp", "ddp-fp16", "post-local-sgd")
