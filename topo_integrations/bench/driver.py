@@ -317,9 +317,8 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
         entries = {}
         for key in spec.systems:
             system = resolve(key)
-            plan = theory_layouts.get(key)  # its own mode's plan: the report's flat-fallback goal reads it
             entry = {"key": key, "label": system.label, "framework": system.framework, "note": system.note,
-                     "planned_flat": plan is not None and plan.groups is None}
+                     "planned_flat": getattr(theory_layouts.get(key), "groups", ()) is None}  # its mode's plan
             why = availability(system)
             if why:
                 entry.update(status="not run", reason=why)
