@@ -64,6 +64,10 @@ BASE_ISSUE15 = {"sync.dtype": "fp32", "local.reconcile_dtype": "bf16", "local.mo
 # `moments16` rows of that table were measured on them.
 BASE_FP32_MOMENTS = {"local.moments_dtype": "fp32"}
 
+# The SYNC values `auto` takes below 4 groups, pinned at every layout (`--base two-group`): the
+# "Many islands" rows of the default before `auto` and the reconciliation ablation were measured on them.
+TWO_GROUP = {"sync.dtype": "bf16", "sync.top_fraction": 0.15}
+
 TASKS = {
     # steps: enough for the curves to flatten on 2 CPU cores (see docs/convergence.md).
     "gpt": {"steps": 100, "eval_every": 10, "lr": 3e-3, "warmup": 20, "micro_batch": 8},
@@ -98,6 +102,18 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
     if kind == "reconcile-ablation":  # issue 31 item 3: streaming fragments; promotion over 2 intervals + demotion
         return [("stream_fragments 2", "selective", {"local.stream_fragments": 2}),
                 ("promote_window 2 + demote", "selective", {"local.promote_window": 2, "local.demote": True})]
+    if kind == "many-islands":  # issue 31: the int8 SYNC wire pays for the SYNC class past 2 islands
+        s8 = {"sync.dtype": "int8", "sync.top_fraction": 0.15}
+        return [("sync int8", "selective", s8),
+                ("sync int8 + top_fraction 0.3", "selective", {**s8, "sync.top_fraction": 0.3})]
+    if kind == "many-islands-wide":  # issue 31: the int8 wire buys a SYNC class of most of the model
+        return [("sync int8 + top_fraction 0.5", "selective", {"sync.dtype": "int8", "sync.top_fraction": 0.5})]
+    if kind == "many-islands-all":  # issue 31: every tensor SYNC on the int8 wire (auto from 4 groups on)
+        return [("sync int8 + top_fraction 1", "selective", {"sync.dtype": "int8", "sync.top_fraction": 1.0})]
+    if kind == "outer-probe":  # issue 31: an outer step above 1 (no momentum), and reconciling every step
+        return [("outer lr 1.5", "selective", {**TWO_GROUP, "local.outer_lr": 1.5}),
+                ("outer lr 2", "selective", {**TWO_GROUP, "local.outer_lr": 2.0}),
+                ("reconcile_interval 1", "selective", {**TWO_GROUP, "local.reconcile_interval": 1})]
     if kind == "islands-outer":  # issue 31: the outer optimizer alone (flat/default measured before)
         return [("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
@@ -624,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="full",
                     choices=["full", "key", "ci", "deep", "deep-key", "deep-bf16", "deep-final", "deep-gap",
                              "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
-                             "moments16", "islands", "islands-outer", "default", "reconcile-ablation"])
+                             "moments16", "islands", "islands-outer", "default", "reconcile-ablation",
+                             "many-islands", "many-islands-wide", "many-islands-all",
+                             "outer-probe"])
     ap.add_argument("--layout", default="2x2", choices=sorted(LAYOUTS),
                     help="islands x ranks per island (virtual nodes): 2x2 on 4 ranks, 4x2 and 8x1 on 8")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -637,10 +655,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/convergence", help="folder for results.json")
     ap.add_argument("--report", metavar="DIR", nargs="+", help="only write the report of DIR/results.json (merged)")
     ap.add_argument("--img-dir", default="docs/img")
-    ap.add_argument("--base", choices=["current", "0.1", "issue15", "fp32-moments"], default="current",
+    ap.add_argument("--base", choices=["current", "0.1", "issue15", "fp32-moments", "two-group"], default="current",
                     help="defaults under the overrides of every selective run: this release's, 0.1.x's "
                          "(reproduces the tables measured with 0.1.0), those between issues 15 and 25, or "
-                         "issue 25's before local.moments_dtype")
+                         "issue 25's before local.moments_dtype, or the SYNC values auto takes below 4 "
+                         "groups (bf16, 0.15) at every layout")
     args = ap.parse_args(argv)
     if args.report:
         res = [r for d in args.report for r in json.loads((Path(d) / "results.json").read_text())]
@@ -658,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     for task, seed, kind in jobs:
         t0 = time.perf_counter()
         runs = grid(kind)
-        base = {"0.1": BASE_0_1, "issue15": BASE_ISSUE15, "fp32-moments": BASE_FP32_MOMENTS}.get(args.base)
+        base = {"0.1": BASE_0_1, "issue15": BASE_ISSUE15, "fp32-moments": BASE_FP32_MOMENTS,
+                "two-group": TWO_GROUP}.get(args.base)
         if base:
             runs = [(n, m, {**base, **o} if m == "selective" else o) for n, m, o in runs]
         n_seeds = len(seed) if isinstance(seed, list) else 1

@@ -19,6 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from topo_integrations.config import resolve_sync  # noqa: E402
 from topo_integrations.sim import ALGORITHMS, SimOptions, Workload, simulate  # noqa: E402
 from topo_integrations.topology import load_topology_file  # noqa: E402
 
@@ -204,24 +205,29 @@ def sensitivity() -> str:
     wl = workload(1, 1)
     ring = simulate(topo, wl, SimOptions(algorithms=("ring",))).row("ring").tier_bytes_per_gpu
     ring_nic = ring["leaf"] + ring["spine"]
+    # The knobs at a fixed top fraction: `auto`'s value below 4 islands (from 4 on `auto` makes every
+    # tensor SYNC on the int8 wire: the last row).
     d = SimOptions()
+    few = resolve_sync("auto", "auto", 1)[1]
     rows = ["| SYNC dtype | reconcile dtype | promotion | H = 1 | H = 2 | H = 4 | H = 8 | H = 16 |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for sd, rd, pf in (("fp32", "fp32", 0.0), ("bf16", "bf16", 0.0), ("bf16", "int8", d.promote_fraction),
-                       ("int8", "int8", d.promote_fraction), ("int8", "int8", 0.0)):
+    for sd, rd, pf, tf in (("fp32", "fp32", 0.0, few), ("bf16", "bf16", 0.0, few),
+                           ("bf16", "int8", d.promote_fraction, few), ("int8", "int8", d.promote_fraction, few),
+                           ("int8", "int8", 0.0, few), ("auto", "int8", d.promote_fraction, "auto")):
         cells = []
         for h in (1, 2, 4, 8, 16):
             o = SimOptions(algorithms=("selective",), sync_dtype=sd, reconcile_dtype=rd, promote_fraction=pf,
-                           reconcile_interval=h)
+                           reconcile_interval=h, top_fraction=tf)
             r = simulate(topo, wl, o).row("selective").tier_bytes_per_gpu
             cells.append(f"{(r['leaf'] + r['spine']) / ring_nic - 1:+.0%}")
-        rows.append(f"| {sd} | {rd} | {pf:g} | " + " | ".join(cells) + " |")
-    base = d.top_fraction + min(1.0, d.last_n_layers / 96)
+        label = "auto (int8, every tensor)" if sd == "auto" else sd
+        rows.append(f"| {label} | {rd} | {pf:g} | " + " | ".join(cells) + " |")
+    base = few + min(1.0, d.last_n_layers / 96)
     return ("\n#### Selective: NIC bytes per step vs flat ring as the knobs change (pure DP, 1:1, leaf order; "
-            f"SYNC share {d.top_fraction:.0%} + last {d.last_n_layers} of 96 layers = {base:.1%}, plus the "
+            f"SYNC share {few:.0%} + last {d.last_n_layers} of 96 layers = {base:.1%}, plus the "
             f"drift-promotion budget where given; Adam's moments every {d.moments_interval}th reconciliation "
-            f"in {d.moments_dtype}; "
-            f"defaults: sync {d.sync_dtype}, reconcile {d.reconcile_dtype}, H = {d.reconcile_interval})\n\n"
+            f"in {d.moments_dtype}; the last row is the default at these 120 islands, `sync.dtype` and "
+            f"`sync.top_fraction` `auto`: every tensor SYNC on the int8 wire, nothing to reconcile)\n\n"
             + "\n".join(rows) + "\n")
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from costmodel_960 import workload  # noqa: E402  (section 2's GPT-3 175B: the same workload by construction)
 
-from topo_integrations.config import TopoAlignConfig  # noqa: E402
+from topo_integrations.config import MANY_GROUPS, TopoAlignConfig, resolve_sync  # noqa: E402
 from topo_integrations.sim import SimError, SimOptions, simulate  # noqa: E402
 from topo_integrations.sim.model import DTYPE_BYTES  # noqa: E402
 from topo_integrations.sim.scenario import options_from_block  # noqa: E402
@@ -130,6 +130,24 @@ def _winner_cell(c: Cell) -> str:
     return text
 
 
+def _selective_text(cells: list[Cell], opt: SimOptions) -> str:
+    """What selective runs with: `sync.dtype` / `sync.top_fraction` as resolved per island count."""
+    parts = []
+    for many, where in ((False, f"below {MANY_GROUPS} islands"), (True, f"from {MANY_GROUPS} islands on")):
+        cs = [c for c in cells if (c.islands >= MANY_GROUPS) == many]
+        if not cs:
+            continue
+        dtype, frac = resolve_sync(opt.sync_dtype, opt.top_fraction, cs[0].islands)
+        if frac >= 1.0:
+            parts.append(f"{where} every tensor SYNC on the {dtype} wire (`auto`)")
+        else:
+            parts.append(f"{where} SYNC share {cs[0].sync_fraction:.0%} (top fraction {frac:g}, last "
+                         f"{opt.last_n_layers} layers and the promotion budget) on the {dtype} wire, LOCAL "
+                         f"{opt.local_dtype}, {opt.reconcile_dtype} deltas every {opt.reconcile_interval} steps, "
+                         f"{'async' if opt.async_reconcile else 'blocking'}")
+    return "; ".join(parts)
+
+
 def render(cells: list[Cell], opt: SimOptions, command: str = COMMAND) -> str:
     islands = list(dict.fromkeys(c.islands for c in cells))
     gbits = list(dict.fromkeys(c.gbit for c in cells))
@@ -151,10 +169,8 @@ def render(cells: list[Cell], opt: SimOptions, command: str = COMMAND) -> str:
         f"{t['island']['latency_us']:g} us), leaves of up to {NODES_PER_LEAF} nodes, 1:1 spine, leaf and spine "
         f"at the column's link speed per GPU ({t['leaf']['latency_us']:g} / {t['spine']['latency_us']:g} us), "
         f"rank order by leaf. {opt.bucket_mb:g} MiB buckets launched during backward; hierarchical = "
-        f"`hier2-b2b`, its cross-island wire (`communication.inter_dtype`) {inter}; selective: SYNC share "
-        f"{cells[0].sync_fraction:.0%} (top fraction, last {opt.last_n_layers} layers and the promotion budget), "
-        f"SYNC wire {opt.sync_dtype}, LOCAL {opt.local_dtype}, {opt.reconcile_dtype} deltas every "
-        f"{opt.reconcile_interval} steps, {'async' if opt.async_reconcile else 'blocking'}; post-local SGD "
+        f"`hier2-b2b`, its cross-island wire (`communication.inter_dtype`) {inter}; selective: "
+        f"{_selective_text(cells, opt)}; post-local SGD "
         f"(`localsgd`): the fp32 parameters averaged over all ranks every {opt.localsgd_period} steps, blocking. "
         "Everything else: this release's `\"topo_align\"` defaults.",
         "",

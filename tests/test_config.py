@@ -26,8 +26,10 @@ DESIGN_BLOCK = {
 }
 
 
-# The `local` defaults issue 15 changed from the design's example block (CHANGELOG, docs/convergence.md).
-CHANGED_DEFAULTS = {"local.dtype": ("fp16", "bf16"), "local.reconcile_interval": (4, 2)}
+# The `local` defaults issue 15 changed from the design's example block, and the `sync` ones issue 31
+# made `auto` (CHANGELOG, docs/convergence.md).
+CHANGED_DEFAULTS = {"local.dtype": ("fp16", "bf16"), "local.reconcile_interval": (4, 2),
+                    "sync.top_fraction": (0.15, "auto"), "sync.dtype": ("bf16", "auto")}
 
 
 def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
@@ -38,7 +40,35 @@ def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
     d = TopoAlignConfig()
     assert (d.local.reconcile_dtype, d.local.moments_interval, d.local.promote_drift_fraction) == ("int8", 4, 0.15)
     assert d.local.moments_dtype == "bf16"
-    assert d.sync.top_fraction == 0.15 and d.sync.last_n_layers == 5
+    assert (d.sync.top_fraction, d.sync.dtype, d.sync.last_n_layers) == ("auto", "auto", 5)
+
+
+def test_auto_sync_follows_the_group_count():
+    """Issue 31: `auto` is bf16 / 0.15 below 4 groups (the 2-island evidence) and int8 / 1 from 4
+    on; explicit values pass through; resolved values are not counted as the user's keys; the log
+    line names what `auto` became."""
+    from topo_integrations.config import MANY_GROUPS, resolve_sync
+    from topo_integrations.reducer.auto_sync import resolved_config
+
+    assert MANY_GROUPS == 4
+    assert [resolve_sync("auto", "auto", n) for n in (1, 2, 3, 4, 8, 128)] == \
+        [("bf16", 0.15)] * 3 + [("int8", 1.0)] * 3
+    assert resolve_sync("fp32", "auto", 8) == ("fp32", 1.0) and resolve_sync("auto", 0.3, 2) == ("bf16", 0.3)
+    cfg = TopoAlignConfig.from_block({"mode": "selective", "local": {"reconcile_interval": 4}})
+    out, note = resolved_config(cfg, 8)
+    assert (out.sync.dtype, out.sync.top_fraction, out.local.reconcile_interval) == ("int8", 1.0, 4)
+    assert out.explicit_keys() == cfg.explicit_keys() == {"mode", "local.reconcile_interval"}
+    assert note == ('topo_align: sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 8 groups (from 4 on, '
+                    'every tensor is SYNC on the int8 wire: docs/convergence.md, "Many islands"); nothing is LOCAL, so '
+                    'the local.* keys set (local.reconcile_interval) act on nothing: set sync.top_fraction below 1 '
+                    'to keep a LOCAL class')
+    assert resolved_config(TopoAlignConfig.from_block({"mode": "selective"}), 4)[1].endswith('"Many islands")')
+    one, note = resolved_config(cfg.with_overrides({"sync.dtype": "fp32"}), 2)
+    assert (one.sync.dtype, one.sync.top_fraction) == ("fp32", 0.15) and note.startswith(
+        "topo_align: sync.top_fraction auto -> 0.15 at 2 groups")
+    same, note = resolved_config(cfg.with_overrides({"sync.dtype": "bf16", "sync.top_fraction": 0.2}), 8)
+    assert note is None and (same.sync.dtype, same.sync.top_fraction) == ("bf16", 0.2)
+    assert resolved_config(TopoAlignConfig.from_block({"mode": "hierarchical"}), 8)[1] is None
 
 
 @pytest.mark.parametrize(
@@ -47,14 +77,16 @@ def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
         ({"mode": "fast"}, "topo_align.mode: got 'fast'; Input should be 'flat', 'hierarchical' or 'selective'"),
         (
             {"sync": {"top_fraction": 1.5}},
-            "topo_align.sync.top_fraction: got 1.5; Input should be less than or equal to 1",
+            "topo_align.sync.top_fraction: got 1.5; Input should be a number in [0, 1] or 'auto'",
         ),
         (
             {"local": {"reconcile_interval": 0}},
             "topo_align.local.reconcile_interval: got 0; Input should be greater than or equal to 1",
         ),
         ({"sync": {"dtype": "fp8"}},
-         "topo_align.sync.dtype: got 'fp8'; Input should be 'fp32', 'bf16', 'fp16' or 'int8'"),
+         "topo_align.sync.dtype: got 'fp8'; Input should be 'auto', 'fp32', 'bf16', 'fp16' or 'int8'"),
+        ({"sync": {"top_fraction": "0.5"}},
+         "topo_align.sync.top_fraction: got '0.5'; Input should be a number in [0, 1] or 'auto'"),
         (
             {"local": {"reconcile_interval": "5"}},
             "topo_align.local.reconcile_interval: got '5'; Input should be a valid integer",

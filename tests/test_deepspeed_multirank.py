@@ -319,6 +319,29 @@ def _flat_topology(rank):
         os.environ["TOPO_ALIGN_HOSTNAME"] = f"vnode{rank // 2}"
 
 
+def _auto_many_islands(rank):
+    """Issue 31: a `"topo_align"` block that leaves `sync` at its defaults (`auto`) on 4 islands of
+    one rank: the adapter's engine takes int8 and every tensor SYNC, and the parameters stay bitwise
+    equal on every rank after every step (invariant 1), at ZeRO-0, 1 and 2."""
+    from topo_integrations.deepspeed import harness as H
+
+    os.environ["TOPO_ALIGN_HOSTNAME"] = f"vnode{rank}"
+    try:
+        out = {}
+        for stage in (0, 1, 2):
+            recs: list = []
+            block = {"enabled": True, "mode": "selective", "topology": {"source": "hostnames"}}
+            eng = _engine(H.Net(), H.ds_config(stage, clip=0.05, topo=block), "adamw")
+            losses = H.train(eng, 6, check=H.selective_checker(recs))
+            e = eng.topo_align.engine
+            out[stage] = {"dtype": str(e.sync_dtype), "top": e.cfg.sync.top_fraction, "groups": e.groups.inter_size,
+                          "local": sum(c == "LOCAL" for c in e.classes.values()), "steps": len(recs),
+                          "sync_equal": all(r["sync_equal"] for r in recs), "final_loss": losses[-1]}
+        return out
+    finally:
+        os.environ["TOPO_ALIGN_HOSTNAME"] = f"vnode{rank // 2}"
+
+
 def _stock_when_disabled(rank):
     from topo_integrations.deepspeed import harness as H
 
@@ -539,6 +562,7 @@ def _rank_main(rank, world, tmpdir):
     _section(out, "checkpoint", _checkpoint, rank, tmpdir)
     _section(out, "overflow", _overflow, rank)
     _section(out, "stock", _stock_when_disabled, rank)
+    _section(out, "auto_many_islands", _auto_many_islands, rank)
     _section(out, "flat_topology", _flat_topology, rank)
     _section(out, "monitor", _monitor_and_comms_logger, rank, os.path.join(tmpdir, f"mon{rank}"))
     _section(out, "async", _async, rank)
@@ -664,6 +688,19 @@ def test_selective_sync_rail_issued_during_backward(world, case):
     assert issued_in_backward, "no rank holds the head in its partition"
     if case == "z2-no-grad-on-island-0":
         assert skipped, "no rank of island 0 holds head_aux in its partition"
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_auto_sync_at_four_islands(world, stage):
+    """Issue 31 through DeepSpeed: `auto` at 4 groups is int8 with every tensor SYNC, invariant 1 on
+    every step, the same loss on every rank."""
+    _ok(world, "auto_many_islands")
+    recs = [out["auto_many_islands"][stage] for out in world]
+    for r in recs:
+        assert (r["groups"], r["dtype"], r["top"], r["local"], r["steps"]) == (4, "torch.int8", 1.0, 0, 6), r
+        assert r["sync_equal"], r
+    assert len({r["final_loss"] for r in recs}) == 1
 
 
 @pytest.mark.timeout(1000)

@@ -46,6 +46,7 @@ def _rank_main(rank, world):
     res["g1"] = _selective_islands_of_one(rank, world)
     res["leaf3"] = _three_level(rank, world)
     res["islands8"] = _eight_islands(rank, world)
+    res["auto"] = _auto_sync(rank, world)
     os.environ[HOSTNAME_ENV] = UNEQUAL[rank]
     try:
         discover_plan(cfg)
@@ -53,6 +54,47 @@ def _rank_main(rank, world):
     except PlanError as exc:
         res["unequal"] = str(exc)
     return res
+
+
+def _auto_sync(rank, world):
+    """`sync.dtype` / `sync.top_fraction` `auto` (issue 31) as the engine takes them from its groups:
+    int8 and every tensor SYNC at 8 and 4 groups (no reconciliation bytes, invariant 1 on every
+    step), bf16 and 0.15 at 2 groups; the log line on DP position 0 only."""
+    import logging
+
+    from topo_integrations.reducer import build_groups, discover_plan
+    from topo_integrations.torch import GroupedReducer
+
+    out = {}
+    for name, per_node in (("8x1", 1), ("4x2", 2), ("2x4", 4)):
+        os.environ[HOSTNAME_ENV] = f"node{rank // per_node}"
+        cfg = cfg_of(sync__dtype="auto", local__async_reconcile=False)
+        g = build_groups(discover_plan(cfg), timeout_s=60)
+        seen: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda rec: seen.append(rec.getMessage())
+        log = logging.getLogger("topo_align")
+        log.addHandler(handler)
+        old_level = log.level
+        log.setLevel(logging.INFO)
+        try:
+            model = make(11)
+            red = GroupedReducer(model, cfg, groups=g)
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(old_level)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train(model, red, opt, rank, 0, 4, verify=True)
+        e = red.engine
+        st = red.stats()
+        out[name] = {"groups": g.inter_size, "dtype": str(e.sync_dtype), "top": e.cfg.sync.top_fraction,
+                     "user": (cfg.sync.dtype, cfg.sync.top_fraction), "local": st["local_elements"],
+                     "reconcile_bytes": st["total"]["bytes"]["inter"].get("reconcile", 0),
+                     "notes": [m for m in seen if "auto ->" in m],
+                     "same": same_on(list(range(world)), flat_params(model))}
+        red.close()
+        dist.barrier()
+    return out
 
 
 def _selective_islands_of_one(rank, world):
@@ -198,6 +240,28 @@ def test_selective_at_8_islands_of_one_rank(world8):
         assert r["differ_between"] and r["same_after"]
         assert r["bytes"]["inter"]["sync"] > 0 and r["bytes"]["inter"]["reconcile"] > 0
         assert not r["bytes"]["inter"].get("local") and not r["bytes"]["intra"].get("local")
+
+
+@pytest.mark.timeout(300)
+def test_auto_sync_from_the_group_count(world8):
+    """Issue 31: with `auto`, 8 and 4 groups run every tensor SYNC on the int8 wire (nothing LOCAL,
+    nothing reconciled, replicas identical on every rank after each step), 2 groups keep bf16 and a
+    LOCAL class; the user's config object is not changed; position 0 logs what `auto` became."""
+    for rank, res in enumerate(world8):
+        a = res["auto"]
+        for name, groups in (("8x1", 8), ("4x2", 4)):
+            r = a[name]
+            assert (r["groups"], r["dtype"], r["top"], r["local"], r["reconcile_bytes"]) == (
+                groups, "torch.int8", 1.0, 0, 0), (rank, name, r)
+            assert r["same"] and r["user"] == ("auto", "auto")
+        two = a["2x4"]
+        assert (two["groups"], two["dtype"], two["top"]) == (2, "torch.bfloat16", 0.15) and two["local"] > 0
+        want = {"8x1": "sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 8 groups",
+                "4x2": "sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 4 groups",
+                "2x4": "sync.dtype auto -> bf16, sync.top_fraction auto -> 0.15 at 2 groups"}
+        for name, text in want.items():
+            notes = a[name]["notes"]
+            assert (len(notes) == 1 and text in notes[0]) if rank == 0 else not notes, (rank, name, notes)
 
 
 @pytest.mark.timeout(300)

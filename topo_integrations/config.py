@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
@@ -32,10 +32,12 @@ __all__ = [
     "MODES",
     "SOURCE_KINDS",
     "format_validation_error",
+    "MANY_GROUPS", "resolve_sync",
 ]
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 CrossDtype = Literal["fp32", "bf16", "fp16", "int8"]  # wires across groups that may be 8-bit
+SyncDtype = Literal["auto", "fp32", "bf16", "fp16", "int8"]  # auto: from the group count (resolve_sync)
 Mode = Literal["flat", "hierarchical", "selective"]
 SourceKind = Literal["auto", "file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "hostnames"]
 
@@ -109,20 +111,26 @@ class SyncConfig(_Section):
     always_sync: list[str] = Field(default_factory=lambda: ["output_layer", "lm_head"], max_length=1024)
     """Parameter-name patterns (fnmatch, or a plain substring) that are always SYNC, e.g. the output head."""
 
-    top_fraction: float = Field(default=0.15, ge=0.0, le=1.0)
-    """Fraction of all gradient elements, chosen by importance, that is SYNC in addition to the
-    last N layers and `always_sync`; 1 makes `selective` equal `hierarchical`."""
+    top_fraction: float | Literal["auto"] = "auto"
+    """Fraction of all gradient elements, chosen by importance, that is SYNC besides the last N layers
+    and `always_sync`; 1 equals `hierarchical`. `auto` (default): 0.15 below 4 groups, 1 from 4 on."""
 
-    dtype: CrossDtype = "bf16"
+    @field_validator("top_fraction", mode="before")
+    @classmethod
+    def _number_or_auto(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1):
+            return v
+        raise ValueError("Input should be a number in [0, 1] or 'auto'")
+
+    dtype: SyncDtype = "auto"
     """Wire dtype of SYNC gradients across groups (the rail hop; inside the island SYNC stays fp32),
-    with error feedback when lossy. `bf16` (default since issue 25) halves the SYNC bytes on the
-    slow tier: 3 seeds on the 8- and 16-layer GPT and digits put it within the seed spread of `fp32`
-    (docs/convergence.md, "Fewer slow-tier bytes"). `fp32` makes `selective` with `top_fraction` 1
-    equal `hierarchical` (whose wire is `communication.inter_dtype`). `int8` (opt-in) sends int8
-    blocks of 256 with one fp32 scale each (an all-to-all and an all-gather), error feedback on
-    both roundings: a third fewer slow-tier bytes than `bf16` on the 16-layer GPT at the same
-    quality, but +0.6 points of percent on the 8-layer GPT, where 89 % of the gradient is SYNC, so
-    not the default."""
+    with error feedback when lossy. `auto` (default): `bf16` below 4 groups, `int8` from 4 on,
+    where each group's replica of the LOCAL tensors costs more quality, so `auto` makes the whole
+    model SYNC and pays for it with the int8 wire (docs/convergence.md, "Many islands"). `bf16`:
+    half of fp32's bytes, within the seed spread of `fp32` at 2 groups. `fp32` with `top_fraction`
+    1 equals `hierarchical`. `int8`: blocks of 256 with one fp32 scale each (an all-to-all and an
+    all-gather), error feedback on both roundings; at 2 groups +0.6 points of percent on the 8-layer
+    GPT, whose gradient is 89 % SYNC (docs/convergence.md, "Fewer slow-tier bytes")."""
 
     layer_pattern: str | None = None
     """Regular expression with one group capturing the layer index, overriding layer detection
@@ -390,6 +398,17 @@ class TopoAlignConfig(_Section):
         return TopoAlignConfig.from_block(data)
 
 
+# `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands")
+MANY_GROUPS = 4
+SYNC_AUTO: dict[bool, tuple[str, float]] = {False: ("bf16", 0.15), True: ("int8", 1.0)}
+
+
+def resolve_sync(dtype: str, top_fraction: float | str, n_groups: int) -> tuple[str, float]:
+    """``(sync.dtype, sync.top_fraction)`` with each ``"auto"`` taken at ``n_groups`` groups."""
+    d, f = SYNC_AUTO[n_groups >= MANY_GROUPS]
+    return (d if dtype == "auto" else dtype), float(f if top_fraction == "auto" else top_fraction)
+
+
 def _depth(obj: Any, limit: int) -> int:
     """Nesting depth of decoded JSON, iteratively (no recursion on hostile input)."""
     stack = [(obj, 1)]
@@ -454,9 +473,9 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "topo_align")
         shown = repr(value)
         if len(shown) > 60:
             shown = shown[:57] + "..."
-        msg = err.get("msg", "invalid")
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "value_error" and not loc:  # a check across sections names its keys itself
-            parts.append(f"{field}: {msg.removeprefix('Value error, ')}")
+            parts.append(f"{field}: {msg}")
         elif err.get("type") == "extra_forbidden":
             parts.append(f"{field}: unknown key (value {shown}); see `topo-align schema` for the accepted keys")
         else:

@@ -225,8 +225,8 @@ def _version(dist_name: str) -> str:
 
 
 def _reconcile_info(cfg) -> dict:
-    """What the byte theory of a reconciliation needs (bench/systems.py), from the effective config
-    (``--topo-set`` included)."""
+    """What the byte theory of a reconciliation needs (bench/systems.py), from the engine's effective
+    config (``--topo-set`` included, `auto` resolved at the planned group count)."""
     loc = cfg.local
     return {"sync_dtype": cfg.sync.dtype, "reconcile_interval": loc.reconcile_interval,
             "reconcile_dtype": loc.reconcile_dtype,
@@ -286,7 +286,7 @@ class _Reducer(_Plain):
             "mode": st["mode"],
             "fallback_reason": st.get("fallback_reason"),
             "sync_fraction": st["sync_elements"] / max(1, total),
-            **_reconcile_info(self.cfg),
+            **_reconcile_info(self.reducer.engine.cfg),
             "reconciles": (st["optimizer_steps"] // self.cfg.local.reconcile_interval
                            if st["mode"] == "selective" else 0),
             "reducer_bytes_total": st["total"]["bytes"],
@@ -309,11 +309,10 @@ class _DeepSpeed(_Plain):
             self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=self.opt, config=cfg)
         else:
             from .. import deepspeed as tds
-            from ..config import TopoAlignConfig
 
             cfg["topo_align"] = _block(spec, topo_mode, async_reconcile=spec["async_reconcile"])
             self.engine, self.opt, _, _ = tds.initialize(model=self.model, optimizer=self.opt, config=cfg)
-            self.reconcile_info = _reconcile_info(TopoAlignConfig.model_validate(cfg["topo_align"]))
+            self.reconcile_info = _reconcile_info(self.engine.topo_align.engine.cfg)
         self.topo_mode = topo_mode
 
     def set_lr(self, lr: float) -> None:

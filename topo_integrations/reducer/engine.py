@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from ..config import TopoAlignConfig
+from .auto_sync import resolved_config
 from .classes import LOCAL, SYNC
 from .compression import wire_dtype
 from .dispatch import CommBucket, Dispatcher
@@ -71,6 +72,11 @@ class Engine(ReconcileMixin):
                  params: dict[str, torch.Tensor] | None = None, forced_sync: set[str] = frozenset(),
                  loss_closure: Callable[[], torch.Tensor] | None = None, workers: bool = False,
                  levels: tuple[str, ...] = ("normal", "reconcile", "fp16", "flat"), can_regroup: bool = False):
+        # `auto` SYNC wire and share, from the planned group count (config.resolve_sync); regrouping
+        # keeps what was resolved here.
+        cfg, note = resolved_config(cfg, groups.inter_size if groups.hierarchical else 1)
+        if note and groups.position == 0:
+            log.info(note)
         self.cfg = cfg
         self.groups = groups
         self.device = torch.device(device)

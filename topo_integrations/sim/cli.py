@@ -34,6 +34,15 @@ def _float(text: str) -> float:
     return v
 
 
+def _fraction_or_auto(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return _float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor auto") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", metavar="FILE", help="JSON topology file (docs/topology-format.md); required "
                    "unless --bench")
@@ -75,8 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--bucket-mb", type=_float, help="bucket size, MiB (default 25)")
     o.add_argument("--no-overlap", action="store_true", help="launch all buckets after backward")
     o.add_argument("--inter-dtype", choices=list(GRADIENT_DTYPES), help="wire dtype of the plugin's cross-group phases")
-    o.add_argument("--top-fraction", type=_float,
-                   help=f"selective: SYNC share chosen by importance (default {_D.top_fraction:g})")
+    o.add_argument("--top-fraction", type=_fraction_or_auto,
+                   help=f"selective: SYNC share chosen by importance, or auto: from the group count "
+                        f"(default {_D.top_fraction})")
     o.add_argument("--last-n-layers", type=int,
                    help=f"selective: last N layers always SYNC (default {_D.last_n_layers})")
     o.add_argument(
@@ -87,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--promote-fraction", type=_float,
                    help=f"selective: SYNC share added by drift promotion (default {_D.promote_fraction:g}, "
                         "local.promote_drift_fraction)")
-    o.add_argument("--sync-dtype", choices=list(DTYPE_BYTES),
+    o.add_argument("--sync-dtype", choices=["auto", *DTYPE_BYTES],
                    help=f"selective: SYNC wire dtype across groups (default {_D.sync_dtype})")
     o.add_argument("--local-dtype", choices=list(GRADIENT_DTYPES),
                    help=f"selective: LOCAL wire dtype (default {_D.local_dtype})")

@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from ..config import LocalConfig, SyncConfig
+from ..config import LocalConfig, SyncConfig, resolve_sync
 from ..topology.model import Topology
 from .algorithms import (
     ALGORITHMS,
@@ -19,6 +19,7 @@ from .algorithms import (
     hierarchical_3level,
     local_sgd,
     selective,
+    split_groups,
 )
 from .model import DTYPE_BYTES, RANK_ORDERS, SIM_TIERS, Fabric, SimError, apply_rank_order, dtype_bytes
 from .overlap import bucket_timeline
@@ -47,13 +48,15 @@ class SimOptions:
     """Wire dtype of the plugin's cross-group phases (hier2-b2b, hier3*); None = gradient dtype.
     The NCCL-style baseline ``hier2`` always uses the gradient dtype."""
     group_by: str = "island"
-    top_fraction: float = _default(SyncConfig, "top_fraction")
+    top_fraction: float | str = _default(SyncConfig, "top_fraction")
+    """selective's SYNC share by importance; ``auto``: from the group count (config.resolve_sync)."""
     last_n_layers: int = _default(SyncConfig, "last_n_layers")
     last_n_share: float | None = None
     """Share of the gradient in the last N layers; None = last_n_layers / layers per pipeline stage."""
     promote_fraction: float = _default(LocalConfig, "promote_drift_fraction")
     """SYNC share added by drift promotion (the budget; spent early in the runs measured)."""
     sync_dtype: str = _default(SyncConfig, "dtype")
+    """``auto``: from the group count (config.resolve_sync)."""
     local_dtype: str = _default(LocalConfig, "dtype")
     reconcile_dtype: str = _default(LocalConfig, "reconcile_dtype")
     reconcile_interval: int = _default(LocalConfig, "reconcile_interval")
@@ -77,7 +80,8 @@ class SimOptions:
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise SimError(f"bucket size = {self.bucket_mb!r} MiB; expected a positive number")
         for what in ("sync_dtype", "local_dtype", "reconcile_dtype", "moments_dtype"):
-            dtype_bytes(getattr(self, what), what)
+            if not (what == "sync_dtype" and self.sync_dtype == "auto"):
+                dtype_bytes(getattr(self, what), what)
         if self.inter_dtype is not None:
             dtype_bytes(self.inter_dtype, "inter_dtype")
         if isinstance(self.last_n_layers, bool) or not isinstance(self.last_n_layers, int) or self.last_n_layers < 0:
@@ -214,6 +218,21 @@ def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: 
     )
 
 
+def _resolved_sync(fab: Fabric, groups, opt: SimOptions, notes: list[str]) -> tuple[str, float]:
+    """selective's ``sync.dtype`` / ``sync.top_fraction``, each ``auto`` taken at the number of
+    groups the plan makes here (topo_integrations/config.resolve_sync, as the engine does)."""
+    if opt.sync_dtype != "auto" and opt.top_fraction != "auto":
+        return opt.sync_dtype, float(opt.top_fraction)
+    try:
+        n_groups = int(split_groups(fab, groups, opt.group_by)[1].shape[1])
+    except ValueError:  # unequal groups: selective is not applicable, its row says so
+        n_groups = 1
+    dtype, frac = resolve_sync(opt.sync_dtype, opt.top_fraction, n_groups)
+    if "selective" in opt.algorithms:
+        notes.append(f"selective: sync.dtype / sync.top_fraction auto at {n_groups} groups: {dtype}, {frac:g}")
+    return dtype, frac
+
+
 def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> SimResult:
     """Price every algorithm of ``opt.algorithms`` (plus the ring and NCCL-style 2-level references)."""
     t0 = time.perf_counter()
@@ -238,9 +257,10 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         last_share = 0.0
         if "selective" in opt.algorithms:
             notes.append("selective: layer count unknown (no --num-layers), last-N share taken as 0")
+    sync_dtype, top_fraction = _resolved_sync(fab, groups, opt, notes)
     spec = SelectiveSpec(
-        top_fraction=opt.top_fraction, last_n_share=min(1.0, last_share + opt.promote_fraction),
-        sync_bytes=DTYPE_BYTES[opt.sync_dtype], grad_bytes=DTYPE_BYTES[wl.grad_dtype],
+        top_fraction=top_fraction, last_n_share=min(1.0, last_share + opt.promote_fraction),
+        sync_bytes=DTYPE_BYTES[sync_dtype], grad_bytes=DTYPE_BYTES[wl.grad_dtype],
         local_bytes=DTYPE_BYTES[opt.local_dtype], reconcile_bytes=DTYPE_BYTES[opt.reconcile_dtype],
         moments_bytes=2.0 * DTYPE_BYTES[opt.moments_dtype] / opt.moments_interval,
         reconcile_interval=opt.reconcile_interval, async_reconcile=opt.async_reconcile,
