@@ -337,6 +337,7 @@ def _auto_many_islands(rank):
             out[stage] = {"dtype": str(e.sync_dtype), "top": e.cfg.sync.top_fraction, "groups": e.groups.inter_size,
                           "local": sum(c == "LOCAL" for c in e.classes.values()), "steps": len(recs),
                           "sync_equal": all(r["sync_equal"] for r in recs), "final_loss": losses[-1]}
+            _reset_ds_globals()  # the island mpu of this 4-island run must not reach the next engine
         return out
     finally:
         os.environ["TOPO_ALIGN_HOSTNAME"] = f"vnode{rank // 2}"
