@@ -329,6 +329,16 @@ def test_summary_target_and_goals():
     summarize(alone)  # no reference system: no target, but the workload is still described
     md = markdown(alone)
     assert "Workload: GPT 1 layers x 8 hidden" in md and "No target loss (no reference system in this run)." in md
+    # selective's line says what the engine took (`auto` resolved), not only the keys the bench set
+    assert "selective: last 1 layer(s) + head SYNC, reconcile every 2 steps;" in md
+    sel_alone = _fake("topo-selective", [1.0] * 4, losses)
+    sel_alone["result"]["info"] = {"sync_fraction": 1.0, "sync_dtype": "int8"}
+    one = _results([sel_alone])
+    summarize(one)
+    assert "selective: every tensor SYNC on the int8 wire (nothing to reconcile);" in markdown(one)
+    sel_alone["result"]["info"] = {"sync_fraction": 0.612, "sync_dtype": "bf16"}
+    assert ("selective: last 1 layer(s) + head SYNC (0.61 of the elements with the top fraction) on the bf16 wire, "
+            "reconcile every 2 steps;") in markdown(one)
     res["layout"] = {"groups": None}  # the flat 4x1 preset: the fallback's overhead against stock
     sel = next(e for e in res["systems"] if e["key"] == "topo-selective")
     sel["planned_flat"] = False

@@ -164,6 +164,36 @@ def _invariants(ddp, r):
             "loss": r["loss"]}
 
 
+def _auto_many_islands(rank, spec, *, dist_opt):
+    """Issue 31: Megatron DDP with the `sync` keys left at `auto` on 4 islands of one rank (the
+    engine's group count, not a flag, decides): int8 and every tensor SYNC, so every parameter is
+    bitwise equal on every rank after every step (invariant 1) and nothing is reconciled."""
+    import torch
+
+    from topo_integrations.config import TopoAlignConfig
+    from topo_integrations.megatron.testing import build_gpt, init_parallel, make_optimizer, run_iteration, wrap_ddp
+
+    os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank}"
+    try:
+        K = 4 if dist_opt else 1  # one distributed-optimizer instance per group (one rank each)
+        init_parallel(K)
+        m, c = build_gpt(spec)
+        cfg = TopoAlignConfig.model_validate({"mode": "selective", "local": {"async_reconcile": False}})
+        ddp = wrap_ddp(m, c, topo=cfg, use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=K)
+        opt = make_optimizer(ddp, clip_grad=0.3)
+        recs = []
+        for step in range(6):
+            r = run_iteration(ddp, spec, rank, step, opt)
+            v = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+            recs.append({"all_same": all(torch.equal(v, x) for x in _gather_vec(v)), "loss": r["loss"]})
+        e = ddp.topo_engines[0]
+        return {"recs": recs, "dtype": e.cfg.sync.dtype, "top": e.cfg.sync.top_fraction,
+                "groups": e.groups.inter_size, "classes": sorted(set(ddp.topo_param_classes().values())),
+                "reconcile_bytes": sum(t["bytes"] for t in ddp.topo_stats()["totals"].get("reconcile", {}).values())}
+    finally:
+        os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"
+
+
 class _Spy:
     """Every torch.distributed collective on a topo_align group handle must be issued inside
     ``collectives.run`` (a thread-local flag set by a wrapper), and all of them from the dispatcher's
@@ -546,6 +576,9 @@ def _rank_main(rank, world, tmpdir):
     res["skip"] = _skip_run(rank, TinyGPT(extra={"bf16": True, "params_dtype": torch.bfloat16}), sel)
     timings["checkpoint_skip"] = time.time() - t0
     t0 = time.time()
+    t0 = time.time()
+    res["auto_many_islands"] = {d: _auto_many_islands(rank, spec, dist_opt=d) for d in (False, True)}
+    timings["auto_many_islands"] = time.time() - t0
     res["errors"] = _errors(rank, spec)
     res["fallbacks"] = _fallbacks(rank, spec, tmpdir)
     timings["errors_fallbacks"] = time.time() - t0
@@ -799,3 +832,17 @@ def test_distributed_optimizer_shards_leave_during_backward(world):
     for res in world:
         for r in res["engine"]["async_distopt"]["releases"][1:]:
             assert r["local"] == 0 and r["sync"] > 0 and r["sync_released_before"] == r["sync"], r
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("dist_opt", [False, True])
+def test_auto_sync_at_four_islands(world, dist_opt):
+    """The `auto` SYNC keys through Megatron DDP at 4 groups: what the engine took, and invariant 1
+    on every parameter on every step (no LOCAL class left to differ)."""
+    for res in world:
+        got = res["auto_many_islands"][dist_opt]
+        assert (got["dtype"], got["top"], got["groups"], got["classes"]) == ("int8", 1.0, 4, ["SYNC"]), got
+        assert [r["all_same"] for r in got["recs"]] == [True] * 6, got["recs"]
+        assert got["reconcile_bytes"] == 0, got
+    losses = [r["loss"] for r in world[0]["auto_many_islands"][dist_opt]["recs"]]
+    assert losses[-1] < losses[0], losses

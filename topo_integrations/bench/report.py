@@ -286,6 +286,22 @@ def _eff(spec: dict, key: str, field: str):
     return v
 
 
+def _selective_took(results: dict) -> str:
+    """What selective ran with: the engine's effective config as the trainers recorded it (``auto``
+    resolved at the group count), else the keys the bench set."""
+    spec = results["spec"]
+    last = _eff(spec, "sync.last_n_layers", "sync_last_n_layers")
+    every = _eff(spec, "local.reconcile_interval", "reconcile_interval")
+    info = next((e["result"]["info"] for e in results["systems"] if "selective" in e["key"]
+                 and isinstance(e.get("result"), dict) and "sync_fraction" in e["result"].get("info", {})), None)
+    if info is None:
+        return f"last {last} layer(s) + head SYNC, reconcile every {every} steps"
+    if info["sync_fraction"] >= 1.0:
+        return f"every tensor SYNC on the {info.get('sync_dtype', 'fp32')} wire (nothing to reconcile)"
+    return (f"last {last} layer(s) + head SYNC ({info['sync_fraction']:.2f} of the elements with the top "
+            f"fraction) on the {info.get('sync_dtype', 'fp32')} wire, reconcile every {every} steps")
+
+
 def _leaf(m: dict, th: dict) -> str:
     if not m.get("cross_leaf_bytes"):
         return "–"
@@ -339,8 +355,7 @@ def markdown(results: dict, images: dict[str, str] | None = None) -> str:
         f"Workload: GPT {spec['layers']} layers x {spec['hidden']} hidden, {spec['heads']} heads, sequence "
         f"{spec['seq_length']}, byte-level vocabulary; micro-batch {spec['micro_batch']} per rank, "
         + _steps_and_lr(spec) + f", clip {spec['clip']:g}, "
-        f"seed {spec['seed']}; selective: last {_eff(spec, 'sync.last_n_layers', 'sync_last_n_layers')} layer(s) "
-        f"+ head SYNC, reconcile every {_eff(spec, 'local.reconcile_interval', 'reconcile_interval')} steps; "
+        f"seed {spec['seed']}; selective: {_selective_took(results)}; "
         f"post-local SGD: averaging period {spec.get('reconcile_interval') or LOCALSGD_PERIOD}, warm-up "
         f"{spec['localsgd_warmup'] if spec['localsgd_warmup'] is not None else spec['warmup_steps']} global steps. "
         + (f"topo_align keys set (--topo-set): {', '.join(f'`{k}={v}`' for k, v in spec['topo_set'].items())}. "
