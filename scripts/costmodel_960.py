@@ -51,6 +51,15 @@ RESEARCH = {
 }
 
 
+def _buckets(res) -> str:
+    """The bucket sizes this layout ran with (``auto``: the plugin's algorithms at its group count)."""
+    note = next((n for n in res.notes if n.startswith("buckets auto at ")), None)
+    if note is None:
+        return "25 MiB buckets"
+    n, mb = note[len("buckets auto at "):].split(" groups: ")[0], note.split(": ")[1].split(" MiB")[0]
+    return f"25 MiB buckets (`auto` for hierarchical back-to-back and selective at {n} groups: {mb} MiB)"
+
+
 def topologies():
     base = os.path.join(ROOT, "configs", "topologies")
     return {"1:1": load_topology_file(os.path.join(base, "dgx-a100-superpod-960.json")),
@@ -101,8 +110,8 @@ def tables(results) -> str:
             parts.append(f"| {labels.get(k, k)} | " + " | ".join(cells) + " |")
         parts.append("")
         for overlap in (True, False):
-            what = ("25 MiB buckets launched during backward (overlap on)" if overlap
-                    else "25 MiB buckets launched after backward (overlap off)")
+            what = (f"{_buckets(any_res)} launched during backward (overlap on)" if overlap
+                    else f"{_buckets(any_res)} launched after backward (overlap off)")
             parts.append(
                 f"Step time, {what}: seconds (speed-up vs flat ring / vs NCCL tuner / vs 2-level NCCL-style):\n"
             )

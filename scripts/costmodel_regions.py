@@ -35,7 +35,14 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from costmodel_960 import workload  # noqa: E402  (section 2's GPT-3 175B: the same workload by construction)
 
-from topo_integrations.config import MANY_GROUPS, TopoAlignConfig, resolve_sync  # noqa: E402
+from topo_integrations.config import (  # noqa: E402
+    BUCKET_MB_MIN,
+    BUCKET_MB_PER_GROUP,
+    MANY_GROUPS,
+    TopoAlignConfig,
+    resolve_bucket_mb,
+    resolve_sync,
+)
 from topo_integrations.sim import SimError, SimOptions, simulate  # noqa: E402
 from topo_integrations.sim.model import DTYPE_BYTES  # noqa: E402
 from topo_integrations.sim.scenario import options_from_block  # noqa: E402
@@ -87,6 +94,15 @@ def options(inter_dtype: str | None = None, localsgd_period: int = 4, bucket_mb:
     if bucket_mb is not None:
         kw["bucket_mb"] = bucket_mb
     return replace(opt, **kw)
+
+
+def _buckets_text(opt: SimOptions) -> str:
+    if opt.bucket_mb != "auto":
+        return f"{opt.bucket_mb:g} MiB buckets launched during backward"
+    return ("Buckets launched during backward, `communication.bucket_size_mb` `auto` for hierarchical and "
+            f"selective ({BUCKET_MB_MIN:g} MiB up to {int(BUCKET_MB_MIN // BUCKET_MB_PER_GROUP)} islands, then "
+            f"{BUCKET_MB_PER_GROUP:g} MiB per island: {resolve_bucket_mb('auto', 128):g} MiB at 128), "
+            f"{BUCKET_MB_MIN:g} MiB for post-local SGD's gradients")
 
 
 def fabric(islands: int, gbit: float, base: dict):
@@ -168,7 +184,7 @@ def render(cells: list[Cell], opt: SimOptions, command: str = COMMAND) -> str:
         f"{os.path.relpath(SUPERPOD, ROOT)} (NVLink {t['island']['bandwidth_gbps']:g} GB/s per GPU, "
         f"{t['island']['latency_us']:g} us), leaves of up to {NODES_PER_LEAF} nodes, 1:1 spine, leaf and spine "
         f"at the column's link speed per GPU ({t['leaf']['latency_us']:g} / {t['spine']['latency_us']:g} us), "
-        f"rank order by leaf. {opt.bucket_mb:g} MiB buckets launched during backward; hierarchical = "
+        f"rank order by leaf. {_buckets_text(opt)}; hierarchical = "
         f"`hier2-b2b`, its cross-island wire (`communication.inter_dtype`) {inter}; selective: "
         f"{_selective_text(cells, opt)}; post-local SGD "
         f"(`localsgd`): the fp32 parameters averaged over all ranks every {opt.localsgd_period} steps, blocking. "
@@ -273,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of inter-island link speeds, Gbit/s per GPU")
     p.add_argument("--inter-dtype", choices=list(DTYPE_BYTES),
                    help="hierarchical's cross-island wire (default: communication.inter_dtype's default)")
-    p.add_argument("--bucket-mb", type=lambda t: _floats(t)[0],
-                   help="bucket size, MiB (default: communication.bucket_size_mb's default)")
+    p.add_argument("--bucket-mb", type=lambda t: t if t == "auto" else _floats(t)[0],
+                   help="bucket size, MiB, for every algorithm (default: communication.bucket_size_mb's "
+                        "default, auto)")
     p.add_argument("--localsgd-period", type=int, default=4, help="post-local SGD's averaging period (default 4)")
     p.add_argument("--markdown", metavar="PATH", help="also write the tables to PATH")
     p.add_argument("--write-doc", action="store_true", help=f"replace the tables in {os.path.relpath(DOC, ROOT)}")

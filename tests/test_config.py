@@ -26,10 +26,11 @@ DESIGN_BLOCK = {
 }
 
 
-# The `local` defaults issue 15 changed from the design's example block, and the `sync` ones issue 31
-# made `auto` (CHANGELOG, docs/convergence.md).
+# The `local` defaults issue 15 changed from the design's example block, and the `sync` and bucket ones
+# issue 31 made `auto` (CHANGELOG, docs/convergence.md, docs/costmodel.md).
 CHANGED_DEFAULTS = {"local.dtype": ("fp16", "bf16"), "local.reconcile_interval": (4, 2),
-                    "sync.top_fraction": (0.15, "auto"), "sync.dtype": ("bf16", "auto")}
+                    "sync.top_fraction": (0.15, "auto"), "sync.dtype": ("bf16", "auto"),
+                    "communication.bucket_size_mb": (25, "auto")}
 
 
 def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
@@ -61,14 +62,37 @@ def test_auto_sync_follows_the_group_count():
     assert note == ('topo_align: sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 8 groups (from 4 on, '
                     'every tensor is SYNC on the int8 wire: docs/convergence.md, "Many islands"); nothing is LOCAL, so '
                     'the local.* keys set (local.reconcile_interval) act on nothing: set sync.top_fraction below 1 '
-                    'to keep a LOCAL class')
+                    'to keep a LOCAL class; communication.bucket_size_mb auto -> 32 MiB at 8 groups (4 MiB per group: '
+                    'fewer ring latencies per byte on a long rail, docs/costmodel.md section 5)')
     assert resolved_config(TopoAlignConfig.from_block({"mode": "selective"}), 4)[1].endswith('"Many islands")')
     one, note = resolved_config(cfg.with_overrides({"sync.dtype": "fp32"}), 2)
     assert (one.sync.dtype, one.sync.top_fraction) == ("fp32", 0.15) and note.startswith(
         "topo_align: sync.top_fraction auto -> 0.15 at 2 groups")
     same, note = resolved_config(cfg.with_overrides({"sync.dtype": "bf16", "sync.top_fraction": 0.2}), 8)
-    assert note is None and (same.sync.dtype, same.sync.top_fraction) == ("bf16", 0.2)
-    assert resolved_config(TopoAlignConfig.from_block({"mode": "hierarchical"}), 8)[1] is None
+    assert note.startswith("topo_align: communication.bucket_size_mb auto")
+    assert (same.sync.dtype, same.sync.top_fraction) == ("bf16", 0.2)
+    assert resolved_config(TopoAlignConfig.from_block({"mode": "hierarchical"}), 6)[1] is None
+
+
+def test_auto_bucket_grows_with_the_rail():
+    """Issue 31: `auto` buckets are DDP's 25 MiB up to 6 groups, then 4 MiB per group (a ring over
+    the groups pays 2(groups - 1) latencies per bucket), in every mode; a number passes through and
+    stays the user's key; the log line says what `auto` became only where it differs from 25 MiB."""
+    from topo_integrations.config import resolve_bucket_mb
+    from topo_integrations.reducer.auto_sync import resolved_config
+
+    assert [resolve_bucket_mb("auto", n) for n in (1, 2, 6, 7, 8, 120, 128, 100_000)] == \
+        [25.0, 25.0, 25.0, 28.0, 32.0, 480.0, 512.0, 65536.0]
+    assert resolve_bucket_mb(5, 128) == 5.0
+    hier = TopoAlignConfig.from_block({"mode": "hierarchical"})
+    out, note = resolved_config(hier, 128)
+    assert out.communication.bucket_size_mb == 512.0 and out.explicit_keys() == {"mode"}
+    assert note == ("topo_align: communication.bucket_size_mb auto -> 512 MiB at 128 groups (4 MiB per group: "
+                    "fewer ring latencies per byte on a long rail, docs/costmodel.md section 5)")
+    assert resolved_config(hier, 2)[0].communication.bucket_size_mb == 25.0
+    mine, note = resolved_config(hier.with_overrides({"communication.bucket_size_mb": 64}), 128)
+    assert note is None and mine.communication.bucket_size_mb == 64.0
+    assert "communication.bucket_size_mb" in mine.explicit_keys()
 
 
 @pytest.mark.parametrize(
@@ -91,6 +115,10 @@ def test_auto_sync_follows_the_group_count():
             {"local": {"reconcile_interval": "5"}},
             "topo_align.local.reconcile_interval: got '5'; Input should be a valid integer",
         ),
+        ({"communication": {"bucket_size_mb": 0}},
+         "topo_align.communication.bucket_size_mb: got 0; Input should be a number in (0, 65536] or 'auto'"),
+        ({"communication": {"bucket_size_mb": "big"}},
+         "topo_align.communication.bucket_size_mb: got 'big'; Input should be a number in (0, 65536] or 'auto'"),
         ({"bogus": 1}, "topo_align.bogus: unknown key (value 1); see `topo-align schema` for the accepted keys"),
         ([], 'topo_align: expected a JSON object (the "topo_align" block), got list'),
     ],

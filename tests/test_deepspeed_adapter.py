@@ -150,9 +150,12 @@ def test_refused_key_names_key_adapter_and_instead(stage, mode, sections, extra,
 def test_refuse_table_only_refuses_what_the_user_set():
     assert {r.key for r in KEY_REFUSALS} == {"communication.bucket_size_mb", "communication.overlap", "local.dtype",
                                              "topology.middle_level"}
-    # Defaults (bucket_size_mb 25, overlap true, local.dtype fp16) are never refused ...
+    # Defaults (bucket_size_mb auto, overlap true, local.dtype fp16) are never refused, nor an explicit
+    # bucket `auto` (DeepSpeed owns the buckets; `auto` asks for nothing) ...
     block = {"enabled": True, "mode": "selective", "topology": {"source": "hostnames"}}
     check_supported(H.ds_config(2, bf16={"enabled": True}), TopoAlignConfig.from_block(block))
+    check_supported(H.ds_config(2, bf16={"enabled": True}),
+                    TopoAlignConfig.from_block(dict(block, communication={"bucket_size_mb": "auto"})))
     # ... a local.dtype equal to DeepSpeed's communication dtype is honoured, and
     check_supported(H.ds_config(2, bf16={"enabled": True}, topo=None),
                     TopoAlignConfig.from_block(dict(block, local={"dtype": "bf16"})))

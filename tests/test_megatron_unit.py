@@ -182,6 +182,7 @@ ACCEPTED = [
     ({}, dict(use_distributed_optimizer=True, pipeline_parallel_size=4)),  # defaults never trip a refusal
     (TopoAlignConfig().model_dump(mode="json"), dict(use_distributed_optimizer=True)),  # nor spelled-out defaults
     ({"communication": {"overlap": True}}, dict(overlap_grad_reduce=True)),  # agrees with Megatron's setting
+    ({"communication": {"bucket_size_mb": "auto"}}, dict()),  # asks for nothing: Megatron's buckets stay
     ({"mode": "selective", "local": {"dtype": "fp16"}}, dict()),  # plain DDP applies local.dtype
     ({"mode": "hierarchical", "local": {"dtype": "fp16"}}, dict(use_distributed_optimizer=True)),  # unused there
     # the default spelled out is no conflict: with DistOpt the buffer dtype applies (logged at start)

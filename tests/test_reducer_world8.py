@@ -68,7 +68,7 @@ def _auto_sync(rank, world):
     out = {}
     for name, per_node in (("8x1", 1), ("4x2", 2), ("2x4", 4)):
         os.environ[HOSTNAME_ENV] = f"node{rank // per_node}"
-        cfg = cfg_of(sync__dtype="auto", local__async_reconcile=False)
+        cfg = cfg_of(sync__dtype="auto", local__async_reconcile=False, communication__bucket_size_mb="auto")
         g = build_groups(discover_plan(cfg), timeout_s=60)
         seen: list[str] = []
         handler = logging.Handler()
@@ -91,6 +91,7 @@ def _auto_sync(rank, world):
                      "user": (cfg.sync.dtype, cfg.sync.top_fraction), "local": st["local_elements"],
                      "reconcile_bytes": st["total"]["bytes"]["inter"].get("reconcile", 0),
                      "notes": [m for m in seen if "auto ->" in m],
+                     "bucket": (e.cfg.communication.bucket_size_mb, red._bucket_numel * 4 / 2**20),
                      "same": same_on(list(range(world)), flat_params(model))}
         red.close()
         dist.barrier()
@@ -256,6 +257,10 @@ def test_auto_sync_from_the_group_count(world8):
             assert r["same"] and r["user"] == ("auto", "auto")
         two = a["2x4"]
         assert (two["groups"], two["dtype"], two["top"]) == (2, "torch.bfloat16", 0.15) and two["local"] > 0
+        # the `auto` bucket: DDP's 25 MiB up to 6 groups, 4 MiB per group beyond (the reducer's buckets)
+        assert [a[n]["bucket"] for n in ("8x1", "4x2", "2x4")] == [(32.0, 32.0), (25.0, 25.0), (25.0, 25.0)]
+        bucket_note = "communication.bucket_size_mb auto -> 32 MiB at 8 groups"
+        assert any(bucket_note in m for m in a["8x1"]["notes"]) == (rank == 0)
         want = {"8x1": "sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 8 groups",
                 "4x2": "sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 4 groups",
                 "2x4": "sync.dtype auto -> bf16, sync.top_fraction auto -> 0.15 at 2 groups"}

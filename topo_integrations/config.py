@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .auto_values import BUCKET_MB_MIN, BUCKET_MB_PER_GROUP, MANY_GROUPS, SYNC_AUTO, resolve_bucket_mb, resolve_sync  # noqa: F401 (re-exported)  # noqa: F401 (re-exported)
+
 __all__ = [
     "ConfigError",
     "TopoAlignConfig",
@@ -32,7 +34,7 @@ __all__ = [
     "MODES",
     "SOURCE_KINDS",
     "format_validation_error",
-    "MANY_GROUPS", "resolve_sync",
+    "MANY_GROUPS", "resolve_sync", "resolve_bucket_mb",
 ]
 
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -246,8 +248,19 @@ class CommunicationConfig(_Section):
     error_feedback: bool = True
     """Keep the rounding residual of lossy casts and add it back on the next step."""
 
-    bucket_size_mb: float = Field(default=25.0, gt=0.0, le=65536.0)
-    """Gradient bucket size in MiB; a bucket is reduced as soon as it is full."""
+    bucket_size_mb: float | Literal["auto"] = "auto"
+    """Gradient bucket size in MiB, a number in (0, 65536]; a bucket is reduced as soon as it is full.
+    `auto` (default): 25 MiB (PyTorch DDP's `bucket_cap_mb`) up to 6 groups, then 4 MiB per group
+    (e.g. 512 MiB at 128): a ring over the groups pays 2(groups - 1) latencies per bucket, so a fixed
+    size turns latency-bound on a long rail (docs/costmodel.md, section 5); megatron-core sizes its
+    buckets by the data-parallel size for the same reason."""
+
+    @field_validator("bucket_size_mb", mode="before")
+    @classmethod
+    def _mib_or_auto(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 65536):
+            return v
+        raise ValueError("Input should be a number in (0, 65536] or 'auto'")
 
     overlap: bool = True
     """Launch buckets from post-accumulate-grad hooks during backward (else all at finish_grad_sync)."""
@@ -396,17 +409,6 @@ class TopoAlignConfig(_Section):
                 raise ConfigError(f"topo_align: unknown field {dotted!r} in override")
             node[leaf] = value
         return TopoAlignConfig.from_block(data)
-
-
-# `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands")
-MANY_GROUPS = 4
-SYNC_AUTO: dict[bool, tuple[str, float]] = {False: ("bf16", 0.15), True: ("int8", 1.0)}
-
-
-def resolve_sync(dtype: str, top_fraction: float | str, n_groups: int) -> tuple[str, float]:
-    """``(sync.dtype, sync.top_fraction)`` with each ``"auto"`` taken at ``n_groups`` groups."""
-    d, f = SYNC_AUTO[n_groups >= MANY_GROUPS]
-    return (d if dtype == "auto" else dtype), float(f if top_fraction == "auto" else top_fraction)
 
 
 def _depth(obj: Any, limit: int) -> int:

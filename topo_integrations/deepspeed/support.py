@@ -67,7 +67,7 @@ def _island_dp(ds: dict, cfg) -> bool:
 
 KEY_REFUSALS: tuple[KeyRefusal, ...] = (
     KeyRefusal(
-        "communication.bucket_size_mb", lambda ds, cfg: True,
+        "communication.bucket_size_mb", lambda ds, cfg: cfg.communication.bucket_size_mb != "auto",
         lambda ds, cfg: "DeepSpeed builds and owns the gradient buckets the adapter reduces",
         lambda ds, cfg: "set zero_optimization.reduce_bucket_size (elements) in the DeepSpeed config instead"),
     KeyRefusal(

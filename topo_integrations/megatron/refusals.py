@@ -60,7 +60,7 @@ def _get(cfg: TopoAlignConfig, key: str):
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
-        "communication.bucket_size_mb", lambda c, m: True,
+        "communication.bucket_size_mb", lambda c, m: c.communication.bucket_size_mb != "auto",
         "Megatron builds the gradient buckets itself",
         "set the bucket size with --ddp-bucket-size (DistributedDataParallelConfig.bucket_size, in elements) "
         "and remove the key"),

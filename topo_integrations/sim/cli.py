@@ -34,7 +34,7 @@ def _float(text: str) -> float:
     return v
 
 
-def _fraction_or_auto(text: str) -> float | str:
+def _number_or_auto(text: str) -> float | str:
     if text == "auto":
         return text
     try:
@@ -81,10 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leaf: hosts grouped by leaf; scattered: seeded random host order; file: as written")
     o.add_argument("--seed", type=int, default=0, help="seed of the scattered order")
     o.add_argument("--group-by", choices=["island", "leaf"], help="intra group of hierarchical/selective")
-    o.add_argument("--bucket-mb", type=_float, help="bucket size, MiB (default 25)")
+    o.add_argument("--bucket-mb", type=_number_or_auto,
+                   help="bucket size, MiB, for every algorithm; auto (default): the plugin's algorithms take it "
+                        "from the group count as the engine does, the references keep 25")
     o.add_argument("--no-overlap", action="store_true", help="launch all buckets after backward")
     o.add_argument("--inter-dtype", choices=list(GRADIENT_DTYPES), help="wire dtype of the plugin's cross-group phases")
-    o.add_argument("--top-fraction", type=_fraction_or_auto,
+    o.add_argument("--top-fraction", type=_number_or_auto,
                    help=f"selective: SYNC share chosen by importance, or auto: from the group count "
                         f"(default {_D.top_fraction})")
     o.add_argument("--last-n-layers", type=int,

@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from ..config import LocalConfig, SyncConfig, resolve_sync
+from ..config import BUCKET_MB_MIN, CommunicationConfig, LocalConfig, SyncConfig, resolve_bucket_mb, resolve_sync
 from ..topology.model import Topology
 from .algorithms import (
     ALGORITHMS,
@@ -41,8 +41,10 @@ class SimOptions:
     """Priced algorithms; post-local SGD (``localsgd``, a peer) only when asked for."""
     rank_order: str = "leaf"
     seed: int = 0
-    bucket_mb: float = 25.0
-    """Bucket size in MiB of gradient (in the gradient dtype)."""
+    bucket_mb: float | str = _default(CommunicationConfig, "bucket_size_mb")
+    """Bucket size in MiB of gradient (in the gradient dtype). ``auto``: the plugin's algorithms
+    (PLUGIN_KEYS) take it at the group count as the engine does (config.resolve_bucket_mb), the
+    references keep DDP's 25 MiB; a number: every algorithm."""
     overlap: bool = True
     inter_dtype: str | None = None
     """Wire dtype of the plugin's cross-group phases (hier2-b2b, hier3*); None = gradient dtype.
@@ -77,7 +79,8 @@ class SimOptions:
             raise SimError(f"rank order = {self.rank_order!r}; expected one of {list(RANK_ORDERS)}")
         if self.group_by not in ("island", "leaf"):
             raise SimError(f"group_by = {self.group_by!r}; expected 'island' or 'leaf'")
-        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+        if self.bucket_mb != "auto" and not (isinstance(self.bucket_mb, (int, float))
+                                              and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise SimError(f"bucket size = {self.bucket_mb!r} MiB; expected a positive number")
         for what in ("sync_dtype", "local_dtype", "reconcile_dtype", "moments_dtype"):
             if not (what == "sync_dtype" and self.sync_dtype == "auto"):
@@ -187,8 +190,9 @@ def _cost(key: str, fab: Fabric, groups, wl: Workload, opt: SimOptions, spec: Se
     raise SimError(f"algorithm {key!r}; expected one of {list(ALGORITHMS)}")
 
 
-def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: float, backward_s: float) -> Row:
-    bucket_bytes = opt.bucket_mb * MIB
+def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: float, backward_s: float,
+         bucket_mb: float) -> Row:
+    bucket_bytes = bucket_mb * MIB
     exposed, busy, nb, blat = 0.0, 0.0, 0, 0.0
     for s in cost.streams:
         tl = bucket_timeline(s.grad_fraction * wl.grad_bytes, bucket_bytes, s.bandwidth_s, s.latency_s,
@@ -218,15 +222,32 @@ def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: 
     )
 
 
+# The algorithms the plugin runs (its engine resolves `auto` buckets); the rest are references
+# (stock DDP / NCCL: 25 MiB buckets) and the post-local SGD peer.
+PLUGIN_KEYS = ("hier2-b2b", "hier3-b2b", "selective")
+
+
+def _n_groups(fab: Fabric, groups, opt: SimOptions) -> int:
+    """How many groups (replicas of the LOCAL tensors, members of a rail) the plan makes here."""
+    try:
+        return int(split_groups(fab, groups, opt.group_by)[1].shape[1])
+    except ValueError:  # unequal groups: selective is not applicable, its row says so
+        return 1
+
+
+def _bucket_mb(key: str, n_groups: int, opt: SimOptions) -> float:
+    """The bucket size an algorithm runs with (``auto``: the engine's, for the plugin's algorithms)."""
+    if opt.bucket_mb != "auto":
+        return float(opt.bucket_mb)
+    return resolve_bucket_mb("auto", n_groups) if key in PLUGIN_KEYS else BUCKET_MB_MIN
+
+
 def _resolved_sync(fab: Fabric, groups, opt: SimOptions, notes: list[str]) -> tuple[str, float]:
     """selective's ``sync.dtype`` / ``sync.top_fraction``, each ``auto`` taken at the number of
     groups the plan makes here (topo_integrations/config.resolve_sync, as the engine does)."""
     if opt.sync_dtype != "auto" and opt.top_fraction != "auto":
         return opt.sync_dtype, float(opt.top_fraction)
-    try:
-        n_groups = int(split_groups(fab, groups, opt.group_by)[1].shape[1])
-    except ValueError:  # unequal groups: selective is not applicable, its row says so
-        n_groups = 1
+    n_groups = _n_groups(fab, groups, opt)
     dtype, frac = resolve_sync(opt.sync_dtype, opt.top_fraction, n_groups)
     if "selective" in opt.algorithms:
         notes.append(f"selective: sync.dtype / sync.top_fraction auto at {n_groups} groups: {dtype}, {frac:g}")
@@ -258,6 +279,10 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         if "selective" in opt.algorithms:
             notes.append("selective: layer count unknown (no --num-layers), last-N share taken as 0")
     sync_dtype, top_fraction = _resolved_sync(fab, groups, opt, notes)
+    n_groups = _n_groups(fab, groups, opt)
+    if opt.bucket_mb == "auto" and resolve_bucket_mb("auto", n_groups) != BUCKET_MB_MIN:
+        notes.append(f"buckets auto at {n_groups} groups: {resolve_bucket_mb('auto', n_groups):g} MiB for the "
+                     f"plugin's algorithms ({', '.join(PLUGIN_KEYS)}), {BUCKET_MB_MIN:g} MiB for the rest")
     spec = SelectiveSpec(
         top_fraction=top_fraction, last_n_share=min(1.0, last_share + opt.promote_fraction),
         sync_bytes=DTYPE_BYTES[sync_dtype], grad_bytes=DTYPE_BYTES[wl.grad_dtype],
@@ -283,7 +308,7 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
                 raise
             notes.append(f"{k}: not applicable: {exc}")
             continue
-        rows[k] = _row(cost, fab, wl, opt, compute_s, backward_s)
+        rows[k] = _row(cost, fab, wl, opt, compute_s, backward_s, _bucket_mb(k, n_groups, opt))
     if "nccl" in keys and "tree" in rows:
         # NCCL's tuner picks the algorithm per message size; every bucket has the same size, so the
         # faster of the two per bucket (here: per step) is what NCCL would run.

@@ -96,7 +96,7 @@ class TopoAlignHookState(EngineView):
                              levels=ADAPTIVE_LEVELS)
         # Reconciliation chunks of the size GroupedReducer uses (the same chunks, the same numbers).
         self.engine.wire.chunk_numel = min(self.engine.wire.chunk_numel,
-                                          max(1, int(cfg.communication.bucket_size_mb * 1024 * 1024) // 4))
+                                          max(1, int(self.engine.cfg.communication.bucket_size_mb * 1024 * 1024) // 4))
         self._layouts: dict[int, tuple] = {}
         """DDP bucket index -> (parameter names, class version) of its last call."""
         self._carry: dict[str, torch.Tensor] = {}

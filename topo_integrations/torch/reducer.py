@@ -146,11 +146,12 @@ class GroupedReducer(EngineView):
             # the engine exists, whose initial classes rank the parameters by magnitude.
             broadcast_from_first(list(model.parameters()) + list(model.buffers()), groups)
 
-        self._bucket_numel = max(1, int(cfg.communication.bucket_size_mb * 1024 * 1024) // 4)
         self.engine = Engine(cfg, groups, self._names, [p.numel() for _, p in self._named], device=self.device,
                              layers=layer_indices(self._names, model=model, layer_pattern=cfg.sync.layer_pattern),
                              params=self._params, loss_closure=loss_closure, workers=cfg.communication.overlap,
                              can_regroup=True)
+        # The bucket size the engine resolved (`auto`: from the group count, config.resolve_bucket_mb).
+        self._bucket_numel = max(1, int(self.engine.cfg.communication.bucket_size_mb * 1024 * 1024) // 4)
         self.engine.wire.chunk_numel = min(self.engine.wire.chunk_numel, self._bucket_numel)
         self.engine.on_reconfigure(lambda _engine: self._build_buckets())
         self._build_buckets()

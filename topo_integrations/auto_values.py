@@ -1,0 +1,31 @@
+"""What each `auto` key of the ``topo_align`` block becomes at the engine's group count.
+
+Plain functions of the group count every rank shares (so every rank takes the same values): the
+engine applies them once when it is built (reducer/auto_sync.py), `topo-align simulate` and the
+cost-model scripts price the same values.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MANY_GROUPS", "SYNC_AUTO", "resolve_sync", "BUCKET_MB_MIN", "BUCKET_MB_PER_GROUP", "resolve_bucket_mb"]
+
+# `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands")
+MANY_GROUPS = 4
+SYNC_AUTO: dict[bool, tuple[str, float]] = {False: ("bf16", 0.15), True: ("int8", 1.0)}
+
+
+def resolve_sync(dtype: str, top_fraction: float | str, n_groups: int) -> tuple[str, float]:
+    """``(sync.dtype, sync.top_fraction)`` with each ``"auto"`` taken at ``n_groups`` groups."""
+    d, f = SYNC_AUTO[n_groups >= MANY_GROUPS]
+    return (d if dtype == "auto" else dtype), float(f if top_fraction == "auto" else top_fraction)
+
+
+# `auto` communication.bucket_size_mb: DDP's 25 MiB, or BUCKET_MB_PER_GROUP per group on the rail if more
+BUCKET_MB_MIN, BUCKET_MB_PER_GROUP = 25.0, 4.0
+
+
+def resolve_bucket_mb(bucket_size_mb: float | str, n_groups: int) -> float:
+    """``communication.bucket_size_mb`` in MiB with ``"auto"`` taken at ``n_groups`` groups."""
+    if bucket_size_mb != "auto":
+        return float(bucket_size_mb)
+    return min(65536.0, max(BUCKET_MB_MIN, BUCKET_MB_PER_GROUP * n_groups))
