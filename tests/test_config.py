@@ -45,29 +45,30 @@ def test_design_block_is_accepted_and_equals_defaults_but_the_changed_ones():
 
 
 def test_auto_sync_follows_the_group_count():
-    """Issue 31: `auto` is bf16 / 0.15 below 4 groups (the 2-island evidence) and int8 / 1 from 4
-    on; explicit values pass through; resolved values are not counted as the user's keys; the log
-    line names what `auto` became."""
+    """Issue 31: `auto` is int8 / 1 from 2 groups on (every tensor SYNC: the 2-, 4- and 8-island
+    evidence), bf16 / 0.15 only for an engine without a second tier (then flat, nothing acts);
+    explicit values pass through; resolved values are not counted as the user's keys; the log line
+    names what `auto` became."""
     from topo_integrations.config import MANY_GROUPS, resolve_sync
     from topo_integrations.reducer.auto_sync import resolved_config
 
-    assert MANY_GROUPS == 4
+    assert MANY_GROUPS == 2
     assert [resolve_sync("auto", "auto", n) for n in (1, 2, 3, 4, 8, 128)] == \
-        [("bf16", 0.15)] * 3 + [("int8", 1.0)] * 3
-    assert resolve_sync("fp32", "auto", 8) == ("fp32", 1.0) and resolve_sync("auto", 0.3, 2) == ("bf16", 0.3)
+        [("bf16", 0.15)] + [("int8", 1.0)] * 5
+    assert resolve_sync("fp32", "auto", 8) == ("fp32", 1.0) and resolve_sync("auto", 0.3, 2) == ("int8", 0.3)
     cfg = TopoAlignConfig.from_block({"mode": "selective", "local": {"reconcile_interval": 4}})
     out, note = resolved_config(cfg, 8)
     assert (out.sync.dtype, out.sync.top_fraction, out.local.reconcile_interval) == ("int8", 1.0, 4)
     assert out.explicit_keys() == cfg.explicit_keys() == {"mode", "local.reconcile_interval"}
-    assert note == ('topo_align: sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 8 groups (from 4 on, '
+    assert note == ('topo_align: sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 8 groups (from 2 on, '
                     'every tensor is SYNC on the int8 wire: docs/convergence.md, "Many islands"); nothing is LOCAL, so '
                     'the local.* keys set (local.reconcile_interval) act on nothing: set sync.top_fraction below 1 '
                     'to keep a LOCAL class; communication.bucket_size_mb auto -> 32 MiB at 8 groups (4 MiB per group: '
                     'fewer ring latencies per byte on a long rail, docs/costmodel.md section 5)')
     assert resolved_config(TopoAlignConfig.from_block({"mode": "selective"}), 4)[1].endswith('"Many islands")')
     one, note = resolved_config(cfg.with_overrides({"sync.dtype": "fp32"}), 2)
-    assert (one.sync.dtype, one.sync.top_fraction) == ("fp32", 0.15) and note.startswith(
-        "topo_align: sync.top_fraction auto -> 0.15 at 2 groups")
+    assert (one.sync.dtype, one.sync.top_fraction) == ("fp32", 1.0) and note.startswith(
+        "topo_align: sync.top_fraction auto -> 1.0 at 2 groups")
     same, note = resolved_config(cfg.with_overrides({"sync.dtype": "bf16", "sync.top_fraction": 0.2}), 8)
     assert note.startswith("topo_align: communication.bucket_size_mb auto")
     assert (same.sync.dtype, same.sync.top_fraction) == ("bf16", 0.2)

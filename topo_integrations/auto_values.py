@@ -9,8 +9,10 @@ from __future__ import annotations
 
 __all__ = ["MANY_GROUPS", "SYNC_AUTO", "resolve_sync", "BUCKET_MB_MIN", "BUCKET_MB_PER_GROUP", "resolve_bucket_mb"]
 
-# `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands")
-MANY_GROUPS = 4
+# `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands"):
+# from 2 groups on, i.e. wherever `selective` has a second tier; the bf16 / 0.15 row is what an
+# engine without one records (its mode is then flat and no value acts)
+MANY_GROUPS = 2
 SYNC_AUTO: dict[bool, tuple[str, float]] = {False: ("bf16", 0.15), True: ("int8", 1.0)}
 
 

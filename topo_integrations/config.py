@@ -115,7 +115,9 @@ class SyncConfig(_Section):
 
     top_fraction: float | Literal["auto"] = "auto"
     """Fraction of all gradient elements, chosen by importance, that is SYNC besides the last N layers
-    and `always_sync`; 1 equals `hierarchical`. `auto` (default): 0.15 below 4 groups, 1 from 4 on."""
+    and `always_sync`; 1 equals `hierarchical`. `auto` (default): 1, every tensor SYNC (with `sync.dtype`
+    `auto`, on the int8 wire); set a number below 1 to keep a LOCAL class (0.15 was the default at 2
+    and 3 groups before: docs/convergence.md, "Many islands")."""
 
     @field_validator("top_fraction", mode="before")
     @classmethod
@@ -126,13 +128,14 @@ class SyncConfig(_Section):
 
     dtype: SyncDtype = "auto"
     """Wire dtype of SYNC gradients across groups (the rail hop; inside the island SYNC stays fp32),
-    with error feedback when lossy. `auto` (default): `bf16` below 4 groups, `int8` from 4 on,
-    where each group's replica of the LOCAL tensors costs more quality, so `auto` makes the whole
-    model SYNC and pays for it with the int8 wire (docs/convergence.md, "Many islands"). `bf16`:
-    half of fp32's bytes, within the seed spread of `fp32` at 2 groups. `fp32` with `top_fraction`
-    1 equals `hierarchical`. `int8`: blocks of 256 with one fp32 scale each (an all-to-all and an
-    all-gather), error feedback on both roundings; at 2 groups +0.6 points of percent on the 8-layer
-    GPT, whose gradient is 89 % SYNC (docs/convergence.md, "Fewer slow-tier bytes")."""
+    with error feedback when lossy. `auto` (default): `int8`, with `top_fraction` `auto` for every
+    tensor: at 2, 4 and 8 groups that keeps flat's quality where the groups' replicas of a LOCAL
+    class cost it, with fewer slow-tier bytes (docs/convergence.md, "Many islands"). `bf16`: half of
+    fp32's bytes, within the seed spread of `fp32` at 2 groups (the default with a LOCAL class before).
+    `fp32` with `top_fraction` 1 equals `hierarchical`. `int8`: blocks of 256 with one fp32 scale each
+    (an all-to-all, an fp32 sum by the owner and an all-gather), error feedback on both roundings;
+    with `top_fraction` 0.15 at 2 groups +0.6 points of percent on the 8-layer GPT
+    (docs/convergence.md, "Fewer slow-tier bytes")."""
 
     layer_pattern: str | None = None
     """Regular expression with one group capturing the layer index, overriding layer detection
