@@ -53,19 +53,23 @@ def layout_of(name: str) -> tuple[int, int]:
 
 # The `local` defaults of 0.1.x: the tables of docs/convergence.md measured with 0.1.0 used them
 # (`--base 0.1` puts them under every selective run's overrides to reproduce those tables).
-BASE_0_1 = {"sync.dtype": "fp32", "local.reconcile_interval": 4, "local.dtype": "fp16", "local.reconcile_dtype": "fp32",
-            "local.moments_interval": 1, "local.moments_dtype": "fp32", "local.promote_drift_fraction": 0.0}
+BASE_0_1 = {"sync.dtype": "fp32", "sync.top_fraction": 0.15, "local.reconcile_interval": 4, "local.dtype": "fp16",
+            "local.reconcile_dtype": "fp32", "local.moments_interval": 1, "local.moments_dtype": "fp32",
+            "local.promote_drift_fraction": 0.0}
 
 # The defaults between issue 15 and issue 25 (`--base issue15`): docs/convergence.md's "Fewer
 # slow-tier bytes" table measured its first row and every variant on top of them.
-BASE_ISSUE15 = {"sync.dtype": "fp32", "local.reconcile_dtype": "bf16", "local.moments_dtype": "fp32"}
+BASE_ISSUE15 = {"sync.dtype": "fp32", "sync.top_fraction": 0.15, "local.reconcile_dtype": "bf16",
+                "local.moments_dtype": "fp32"}
 
 # The defaults of issue 25 before `local.moments_dtype` (`--base fp32-moments`): the `sync8` and
 # `moments16` rows of that table were measured on them.
-BASE_FP32_MOMENTS = {"local.moments_dtype": "fp32"}
+BASE_FP32_MOMENTS = {"sync.dtype": "bf16", "sync.top_fraction": 0.15, "local.moments_dtype": "fp32"}
 
-# The SYNC values `auto` takes below 4 groups, pinned at every layout (`--base two-group`): the
-# "Many islands" rows of the default before `auto` and the reconciliation ablation were measured on them.
+# The SYNC defaults before `auto` (bf16, 0.15), pinned at every layout (`--base two-group`): the
+# "Many islands" rows of the default before `auto`, the reconciliation ablation and the `moments16`
+# rows were measured on them. Every base pins a `sync.top_fraction` below 1: the `local.*` keys of
+# its grids act only on a LOCAL class (the engine refuses them where every tensor is SYNC).
 TWO_GROUP = {"sync.dtype": "bf16", "sync.top_fraction": 0.15}
 
 TASKS = {
@@ -658,8 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", choices=["current", "0.1", "issue15", "fp32-moments", "two-group"], default="current",
                     help="defaults under the overrides of every selective run: this release's, 0.1.x's "
                          "(reproduces the tables measured with 0.1.0), those between issues 15 and 25, or "
-                         "issue 25's before local.moments_dtype, or the SYNC values auto takes below 4 "
-                         "groups (bf16, 0.15) at every layout")
+                         "issue 25's before local.moments_dtype, or the SYNC defaults before auto (bf16, "
+                         "0.15) at every layout")
     args = ap.parse_args(argv)
     if args.report:
         res = [r for d in args.report for r in json.loads((Path(d) / "results.json").read_text())]

@@ -6,7 +6,7 @@
 #   bash scripts/pretrain_gpt_deepspeed.sh --topo-align-mode hierarchical    # or flat, or --no-topo-align
 #   bash scripts/pretrain_gpt_deepspeed.sh --resume              # continue from the last checkpoint
 #   NPROC_PER_NODE=8 bash scripts/pretrain_gpt_deepspeed.sh --model 125M --topology configs/topologies/X.json
-#   srun --ntasks-per-node=1 bash scripts/pretrain_gpt_deepspeed.sh --model 1.3B --set local.reconcile_interval=8
+#   srun --ntasks-per-node=1 bash scripts/pretrain_gpt_deepspeed.sh --model 1.3B --set communication.bucket_size_mb=64
 #
 # Output: runs/<name>/ (metrics.csv, tensorboard/, checkpoints/, summary.json). Launch flags and
 # environment variables: scripts/_pretrain_launch.sh; training flags: `--help`; docs/pretraining.md.

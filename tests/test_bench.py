@@ -218,14 +218,15 @@ def test_topo_set_and_middle_level_reach_the_block():
     from topo_integrations.config import TopoAlignConfig
 
     spec = {"topology_file": "t.json", "group_by": "island", "middle_level": True, "sync_last_n_layers": 5,
-            "reconcile_interval": 4, "topo_set": {"local.reconcile_dtype": "bf16", "local.reconcile_interval": 2}}
+            "reconcile_interval": 4, "topo_set": {"local.reconcile_dtype": "bf16", "local.reconcile_interval": 2,
+                                                  "sync.top_fraction": 0.15}}
     block = _block(spec, "selective", async_reconcile=True)
     assert block["local"] == {"reconcile_interval": 2, "async_reconcile": True, "reconcile_dtype": "bf16"}
     assert block["topology"]["middle_level"] is True
     cfg = TopoAlignConfig.model_validate(block)
     assert cfg.local.reconcile_interval == 2 and cfg.topology.middle_level is True
     # Without --reconcile-interval topo-align runs its own default; post-local SGD averages every 4.
-    spec.update(reconcile_interval=None, topo_set={})
+    spec.update(reconcile_interval=None, topo_set={"sync.top_fraction": 0.15})
     block = _block(spec, "selective", async_reconcile=True)
     assert block["local"] == {"async_reconcile": True}
     assert TopoAlignConfig.model_validate(block).local.reconcile_interval == TopoAlignConfig().local.reconcile_interval
@@ -739,3 +740,20 @@ def _workers(spec: Path) -> list[int]:
         except (OSError, ValueError):
             continue
     return out
+
+
+@pytest.mark.timeout(10)
+def test_topo_block_sets_the_bench_local_class_keys_only_where_one_can_exist():
+    """The bench's --sync-last-n-layers / --reconcile-interval / async flag shape a LOCAL class: with
+    the default (every tensor SYNC from 2 groups) they are left out, as the engine refuses them set
+    for nothing (reducer/auto_sync.py); a --topo-set sync.top_fraction below 1 brings them back."""
+    from topo_integrations.bench.systems import topo_block
+
+    spec = {"topology_file": "t.json", "group_by": "island", "sync_last_n_layers": 5, "reconcile_interval": 16}
+    block = topo_block(spec, "selective", async_reconcile=True)
+    assert "sync" not in block and "local" not in block
+    block = topo_block({**spec, "topo_set": {"sync.top_fraction": 1.0}}, "selective", async_reconcile=True)
+    assert block["sync"] == {"top_fraction": 1.0} and "local" not in block
+    block = topo_block({**spec, "topo_set": {"sync.top_fraction": 0.15}}, "selective", async_reconcile=False)
+    assert block["sync"] == {"last_n_layers": 5, "top_fraction": 0.15}
+    assert block["local"] == {"async_reconcile": False, "reconcile_interval": 16}

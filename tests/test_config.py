@@ -57,16 +57,31 @@ def test_auto_sync_follows_the_group_count():
         [("bf16", 0.15)] + [("int8", 1.0)] * 5
     assert resolve_sync("fp32", "auto", 8) == ("fp32", 1.0) and resolve_sync("auto", 0.3, 2) == ("int8", 0.3)
     cfg = TopoAlignConfig.from_block({"mode": "selective", "local": {"reconcile_interval": 4}})
-    out, note = resolved_config(cfg, 8)
-    assert (out.sync.dtype, out.sync.top_fraction, out.local.reconcile_interval) == ("int8", 1.0, 4)
-    assert out.explicit_keys() == cfg.explicit_keys() == {"mode", "local.reconcile_interval"}
+    with pytest.raises(ConfigError) as err:
+        resolved_config(cfg, 8)
+    assert str(err.value) == (
+        'topo_align: local.reconcile_interval set, but every tensor is SYNC (sync.top_fraction auto -> 1.0 at 8 '
+        'groups), so nothing is LOCAL for it to act on; set sync.top_fraction below 1 to keep a LOCAL class (e.g. '
+        '0.15 with sync.dtype bf16: docs/convergence.md, "Many islands") or remove it')
+    many = cfg.with_overrides({"sync.top_fraction": 1.0, "importance.method": "magnitude", "sync.last_n_layers": 2})
+    with pytest.raises(ConfigError, match=r"^topo_align: importance.method, local.reconcile_interval, "
+                       r"sync.last_n_layers set, but every tensor is SYNC \(sync.top_fraction = 1.0\), so nothing "
+                       r"is LOCAL for them to act on; .* or remove them$"):
+        resolved_config(many, 2)
+    assert resolved_config(many, 1)[0].sync.top_fraction == 1.0  # one group: flat, nothing selective acts
+    assert resolved_config(many.with_overrides({"mode": "hierarchical"}), 4)[1] is None
+    out, note = resolved_config(TopoAlignConfig.from_block({"mode": "selective"}), 8)
+    assert (out.sync.dtype, out.sync.top_fraction, out.local.reconcile_interval) == ("int8", 1.0, 2)
+    assert out.explicit_keys() == {"mode"}
     assert note == ('topo_align: sync.dtype auto -> int8, sync.top_fraction auto -> 1.0 at 8 groups (from 2 on, '
-                    'every tensor is SYNC on the int8 wire: docs/convergence.md, "Many islands"); nothing is LOCAL, so '
-                    'the local.* keys set (local.reconcile_interval) act on nothing: set sync.top_fraction below 1 '
-                    'to keep a LOCAL class; communication.bucket_size_mb auto -> 32 MiB at 8 groups (4 MiB per group: '
+                    'every tensor is SYNC on the int8 wire: docs/convergence.md, "Many islands"); '
+                    'communication.bucket_size_mb auto -> 32 MiB at 8 groups (4 MiB per group: '
                     'fewer ring latencies per byte on a long rail, docs/costmodel.md section 5)')
+    kept, _ = resolved_config(cfg.with_overrides({"sync.top_fraction": 0.15}), 8)
+    assert (kept.sync.dtype, kept.sync.top_fraction, kept.local.reconcile_interval) == ("int8", 0.15, 4)
+    assert kept.explicit_keys() == {"mode", "local.reconcile_interval", "sync.top_fraction"}
     assert resolved_config(TopoAlignConfig.from_block({"mode": "selective"}), 4)[1].endswith('"Many islands")')
-    one, note = resolved_config(cfg.with_overrides({"sync.dtype": "fp32"}), 2)
+    one, note = resolved_config(TopoAlignConfig.from_block({"mode": "selective", "sync": {"dtype": "fp32"}}), 2)
     assert (one.sync.dtype, one.sync.top_fraction) == ("fp32", 1.0) and note.startswith(
         "topo_align: sync.top_fraction auto -> 1.0 at 2 groups")
     same, note = resolved_config(cfg.with_overrides({"sync.dtype": "bf16", "sync.top_fraction": 0.2}), 8)

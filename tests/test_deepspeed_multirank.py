@@ -217,7 +217,9 @@ def _rail(rank):
         zero = dict(small, overlap_comm=True)
         stock = _engine(_rail_model(rank, None), H.ds_config(stage, clip=0.05, zero_optimization=zero), "adamw")
         H.train(stock, 6)
-        block = H.topo_block("selective", sync={"top_fraction": 1.0})
+        # no LOCAL-class keys: with nothing LOCAL the engine refuses them (reducer/auto_sync.py)
+        block = {"enabled": True, "mode": "selective", "topology": {"source": "hostnames"},
+                 "sync": {"top_fraction": 1.0, "dtype": "fp32"}}
         eng = _engine(_rail_model(rank, None), H.ds_config(stage, clip=0.05, topo=block, zero_optimization=zero),
                       "adamw")
         H.train(eng, 6)

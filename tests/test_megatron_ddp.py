@@ -178,7 +178,7 @@ def _auto_many_islands(rank, spec, *, dist_opt):
         K = 4 if dist_opt else 1  # one distributed-optimizer instance per group (one rank each)
         init_parallel(K)
         m, c = build_gpt(spec)
-        cfg = TopoAlignConfig.model_validate({"mode": "selective", "local": {"async_reconcile": False}})
+        cfg = TopoAlignConfig.model_validate({"mode": "selective"})  # the defaults: sync keys `auto`
         ddp = wrap_ddp(m, c, topo=cfg, use_distributed_optimizer=dist_opt, num_distributed_optimizer_instances=K)
         opt = make_optimizer(ddp, clip_grad=0.3)
         recs = []
@@ -360,7 +360,9 @@ def _engine_checks(rank, spec):
     # the controller measuring for real (probe + agreement every 2 steps) while averages are in flight
     out["adaptive_checks_plain"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 2}),
                                                dist_opt=False, steps=7, spy=True)
-    out["drift_plain"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}), dist_opt=False, steps=6)
+    # the bf16 SYNC wire here, the int8 one (auto at 2 groups) with the distributed optimizer below
+    out["drift_plain"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}, sync={"dtype": "bf16"}),
+                                     dist_opt=False, steps=6)
     out["hutchinson_plain"] = _engine_run(
         rank, spec, cfg(importance={"method": "hutchinson", "refresh_interval": 2}, sync={"top_fraction": 0.3}),
         dist_opt=False, steps=5)
@@ -368,7 +370,7 @@ def _engine_checks(rank, spec):
     out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000},
                                                           sync={"dtype": "fp32"}),  # fp16 level: from fp32 only
                                           dist_opt=True, steps=7, at_step=_force_level("fp16"))
-    # with the opt-in int8 SYNC wire (the distributed optimizer's rail hop of the SYNC ranges)
+    # with the int8 SYNC wire set explicitly (the distributed optimizer's rail hop of the SYNC ranges)
     out["drift_distopt"] = _engine_run(rank, spec, cfg(local={"promote_drift_fraction": 0.3}, sync={"dtype": "int8"}),
                                        dist_opt=True, steps=6)
     # issue 31: one fragment of the LOCAL set a step, promotion over 2 intervals with demotion

@@ -151,8 +151,16 @@ def test_model_presets_and_layer_names():
 @pytest.mark.timeout(60)
 def test_topo_block_from_flags():
     assert common.topo_block(_args(no_topo_align=True)) is None
+    # the tiny preset's last_n_layers 1 shapes a LOCAL class: only with a top_fraction below 1 (the
+    # default makes every tensor SYNC, where the engine refuses LOCAL-class keys set for nothing)
     b = common.topo_block(_args())
-    assert b["mode"] == "selective" and b["sync"]["last_n_layers"] == 1  # tiny preset default
+    assert b["mode"] == "selective" and "sync" not in b and "local" not in b
+    b = common.topo_block(_args(set=["sync.top_fraction=0.15"]))
+    assert b["sync"] == {"top_fraction": 0.15, "last_n_layers": 1}
+    b = common.topo_block(_args(set=["sync.top_fraction=1"]), defaults={"local.async_reconcile": False})
+    assert b["sync"] == {"top_fraction": 1} and "local" not in b
+    b = common.topo_block(_args(set=["sync.top_fraction=0.3"]), defaults={"local.async_reconcile": False})
+    assert b["local"] == {"async_reconcile": False} and b["sync"]["last_n_layers"] == 1
     b = common.topo_block(_args(model="125M", topo_align_mode="hierarchical",
                                 set=["local.reconcile_interval=8", "sync.last_n_layers=3"]))
     assert (b["mode"], b["local"]["reconcile_interval"], b["sync"]["last_n_layers"]) == ("hierarchical", 8, 3)

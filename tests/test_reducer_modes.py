@@ -77,10 +77,11 @@ MECHANISM_LOCAL = {"reconcile_dtype": "fp32", "moments_interval": 1, "moments_dt
 
 
 def cfg_of(**kw) -> TopoAlignConfig:
-    # sync.dtype fp32: these scenarios compare SYNC with the exact mean (the bf16 default is run by
-    # the schema-defaults scenario)
+    # sync.dtype fp32: these scenarios compare SYNC with the exact mean; top_fraction 0.15: a LOCAL
+    # class for the local.* keys to act on (the schema defaults, every tensor SYNC on the int8 wire
+    # at 2 groups, are run by the schema-defaults scenario)
     block = {"mode": "selective", "topology": {"source": "hostnames"}, "local": dict(MECHANISM_LOCAL),
-             "sync": {"dtype": "fp32"},
+             "sync": {"dtype": "fp32", "top_fraction": 0.15},
              "communication": {"bucket_size_mb": 64.0}, "fallback": {"timeout_s": 60.0}}
     for dotted, v in kw.items():
         node = block
@@ -229,7 +230,10 @@ def s_top_fraction_one_equals_hierarchical(rank, world, groups):
 
     finals = {}
     for name, cfg in (("hier", cfg_of(mode="hierarchical")),
-                      ("sel1", cfg_of(sync__top_fraction=1.0, sync__last_n_layers=0))):
+                      ("sel1", TopoAlignConfig.model_validate({  # no local.* keys: nothing is LOCAL
+                          "mode": "selective", "topology": {"source": "hostnames"},
+                          "sync": {"dtype": "fp32", "top_fraction": 1.0},
+                          "communication": {"bucket_size_mb": 64.0}, "fallback": {"timeout_s": 60.0}}))):
         model = make(3)
         red = GroupedReducer(model, cfg, groups=groups)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -357,13 +361,17 @@ def _round_trip(rank, groups, cfg, total=14, k=9, n_layers=3):
 
 
 def s_defaults(rank, world, groups):
-    """The schema's `selective` defaults as shipped (bf16 LOCAL wire, reconcile every 2 steps, bf16
-    deltas, moments every 4th reconciliation, drift promotion up to 0.15 of the elements): invariant
-    1 on every step, classes change only at reconciliation steps and only LOCAL -> SYNC within the
-    budget, everything identical after reconcile(), and a bitwise resume across a promotion."""
+    """The `local.*` defaults under a LOCAL class (sync.top_fraction 0.15, bf16 SYNC wire: bf16 LOCAL
+    wire, reconcile every 2 steps, int8 deltas, moments every 4th reconciliation, drift promotion up
+    to 0.15 of the elements): invariant 1 on every step, classes change only at reconciliation steps
+    and only LOCAL -> SYNC within the budget, everything identical after reconcile(), and a bitwise
+    resume across a promotion. Then the schema's defaults as shipped (`auto` at 2 groups: every
+    tensor SYNC on the int8 wire): invariant 1 on every step, no reconciliation, the int8 residuals
+    and a bitwise resume with them in the state."""
     from topo_integrations.torch import GroupedReducer
 
     cfg = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"},
+                                          "sync": {"top_fraction": 0.15, "dtype": "bf16"},
                                           "fallback": {"timeout_s": 60.0}})
     model = make(14, n_layers=8)  # 3 LOCAL blocks under the default last_n_layers 5
     red = GroupedReducer(model, cfg, groups=groups)
@@ -384,18 +392,23 @@ def s_defaults(rank, world, groups):
            "budget": cfg.local.promote_drift_fraction}
     red.close()
     out["round_trip"] = _round_trip(rank, groups, cfg, total=12, k=5, n_layers=8)
-    # sync.dtype int8 (opt-in): invariant 1 on every step (SYNC identical everywhere with the int8
-    # rail hop and its two-part residuals) and a bitwise resume with those residuals in the state.
-    cfg8 = cfg.model_copy(update={"sync": cfg.sync.model_copy(update={"dtype": "int8"})})
+    # the shipped defaults: invariant 1 on every step (SYNC identical everywhere with the int8 rail
+    # hop and its two-part residuals) and a bitwise resume with those residuals in the state.
+    shipped = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"},
+                                              "fallback": {"timeout_s": 60.0}})
     model = make(15, n_layers=8)
-    red = GroupedReducer(model, cfg8, groups=groups)
+    red = GroupedReducer(model, shipped, groups=groups)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train(model, red, opt, rank, 0, 8, verify=True)
     res = red.engine.wire.residual_state()
     # int8 residuals: the payload padded to whole 256-blocks per rail member plus the owner's chunk
     out["sync8_residuals"] = {k: v.numel() for k, v in res.items() if k.startswith("sync/") and v.abs().sum() > 0}
+    st = red.stats()
+    out["shipped"] = {"sync_dtype": str(red.engine.sync_dtype), "local_elements": st["local_elements"],
+                      "reconcile_bytes": st["total"]["bytes"]["inter"]["reconcile"],
+                      "same": same_on(list(range(world)), flat_params(model))}
     red.close()
-    out["sync8_round_trip"] = _round_trip(rank, groups, cfg8, total=10, k=4, n_layers=8)
+    out["sync8_round_trip"] = _round_trip(rank, groups, shipped, total=10, k=4, n_layers=8)
     return out
 
 
@@ -723,6 +736,7 @@ def test_schema_defaults_keep_the_invariants_and_resume_bitwise(world):
         assert all(s % r["interval"] == 0 for s in r["changed_at"]), r["changed_at"]
         assert r["reconcile_bytes"] > 0 and r["same"] and r["moments_same"]
         assert r["round_trip"]["bitwise"]
+        assert r["shipped"] == {"sync_dtype": "torch.int8", "local_elements": 0, "reconcile_bytes": 0, "same": True}
         assert r["sync8_round_trip"]["bitwise"] and r["sync8_residuals"], r["sync8_residuals"]
         assert all(n % 256 == 0 for n in r["sync8_residuals"].values()), r["sync8_residuals"]
     assert all(res["defaults"]["moved"] == world[0]["defaults"]["moved"] for res in world)

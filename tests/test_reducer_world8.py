@@ -62,13 +62,16 @@ def _auto_sync(rank, world):
     step); the log line on DP position 0 only."""
     import logging
 
+    from topo_integrations.config import TopoAlignConfig
     from topo_integrations.reducer import build_groups, discover_plan
     from topo_integrations.torch import GroupedReducer
 
     out = {}
     for name, per_node in (("8x1", 1), ("4x2", 2), ("2x4", 4)):
         os.environ[HOSTNAME_ENV] = f"node{rank // per_node}"
-        cfg = cfg_of(sync__dtype="auto", local__async_reconcile=False, communication__bucket_size_mb="auto")
+        # the schema defaults (no local.* key: with every tensor SYNC the engine refuses one set)
+        cfg = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"},
+                                              "fallback": {"timeout_s": 60.0}})
         g = build_groups(discover_plan(cfg), timeout_s=60)
         seen: list[str] = []
         handler = logging.Handler()

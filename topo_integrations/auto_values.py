@@ -7,7 +7,8 @@ cost-model scripts price the same values.
 
 from __future__ import annotations
 
-__all__ = ["MANY_GROUPS", "SYNC_AUTO", "resolve_sync", "BUCKET_MB_MIN", "BUCKET_MB_PER_GROUP", "resolve_bucket_mb"]
+__all__ = ["MANY_GROUPS", "SYNC_AUTO", "resolve_sync", "LOCAL_CLASS_KEYS", "keeps_local_class", "BUCKET_MB_MIN",
+           "BUCKET_MB_PER_GROUP", "resolve_bucket_mb"]
 
 # `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands"):
 # from 2 groups on, i.e. wherever `selective` has a second tier; the bf16 / 0.15 row is what an
@@ -20,6 +21,19 @@ def resolve_sync(dtype: str, top_fraction: float | str, n_groups: int) -> tuple[
     """``(sync.dtype, sync.top_fraction)`` with each ``"auto"`` taken at ``n_groups`` groups."""
     d, f = SYNC_AUTO[n_groups >= MANY_GROUPS]
     return (d if dtype == "auto" else dtype), float(f if top_fraction == "auto" else top_fraction)
+
+
+# Keys that act only through a LOCAL class: how tensors are ranked into it (importance.*, the
+# always-SYNC rules) and how it is reduced and reconciled (local.*). Where every tensor is SYNC they
+# have nothing to act on: the engine refuses them when the user set them (reducer/auto_sync.py), and
+# a launcher's own defaults for them apply only where a LOCAL class can exist (keeps_local_class).
+LOCAL_CLASS_KEYS = ("local.", "importance.", "sync.last_n_layers", "sync.always_sync", "sync.layer_pattern")
+
+
+def keeps_local_class(top_fraction: float | str) -> bool:
+    """Whether ``sync.top_fraction`` leaves room for a LOCAL class at any group count that has a
+    second tier: a number below 1 (``auto`` is 1 from ``MANY_GROUPS`` groups on)."""
+    return top_fraction != "auto" and float(top_fraction) < 1.0
 
 
 # `auto` communication.bucket_size_mb: DDP's 25 MiB, or BUCKET_MB_PER_GROUP per group on the rail if more

@@ -17,7 +17,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .auto_values import BUCKET_MB_MIN, BUCKET_MB_PER_GROUP, MANY_GROUPS, SYNC_AUTO, resolve_bucket_mb, resolve_sync  # noqa: F401 (re-exported)  # noqa: F401 (re-exported)
+from .auto_values import (  # noqa: F401 (re-exported)
+    BUCKET_MB_MIN,
+    BUCKET_MB_PER_GROUP,
+    LOCAL_CLASS_KEYS,
+    MANY_GROUPS,
+    SYNC_AUTO,
+    keeps_local_class,
+    resolve_bucket_mb,
+    resolve_sync,
+)
 
 __all__ = [
     "ConfigError",

@@ -10,7 +10,7 @@ line that says what `auto` became.
 
 from __future__ import annotations
 
-from ..config import MANY_GROUPS, TopoAlignConfig, resolve_bucket_mb, resolve_sync
+from ..config import LOCAL_CLASS_KEYS, MANY_GROUPS, ConfigError, TopoAlignConfig, resolve_bucket_mb, resolve_sync
 
 __all__ = ["resolved_config"]
 
@@ -31,8 +31,10 @@ def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfi
     became (None when nothing `auto` changed from its small-job value, or for the SYNC keys, when
     the mode is not `selective`).
 
-    When `auto` makes every tensor SYNC, `local.*` keys the user set have nothing to act on: the
-    line names them rather than dropping them silently.
+    Raises :class:`ConfigError` when every tensor is SYNC (``sync.top_fraction`` 1, set or `auto`)
+    in `selective` with a second tier and the user set keys that act only through a LOCAL class
+    (``LOCAL_CLASS_KEYS``): they would be accepted and ignored. Every rank plans the same group
+    count, so every rank refuses alike (no rank left waiting in a collective).
     """
     notes = []
     if cfg.communication.bucket_size_mb == "auto":
@@ -43,16 +45,27 @@ def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfi
                          "group: fewer ring latencies per byte on a long rail, docs/costmodel.md section 5)")
     s = cfg.sync
     auto = [k for k in ("dtype", "top_fraction") if getattr(s, k) == "auto"]
+    got = dict(zip(("dtype", "top_fraction"), resolve_sync(s.dtype, s.top_fraction, n_groups)))
+    selective = cfg.mode == "selective"
+    if selective and n_groups >= 2 and got["top_fraction"] >= 1.0:
+        _refuse_local_keys(cfg, n_groups, auto="top_fraction" in auto)
     if auto:
-        got = dict(zip(("dtype", "top_fraction"), resolve_sync(s.dtype, s.top_fraction, n_groups)))
-        unused = sorted(k for k in cfg.explicit_keys() if k.startswith("local."))
-        selective = cfg.mode == "selective"
         cfg = _with(cfg, "sync", got)
         if selective:
-            note = (f"{', '.join(f'sync.{k} auto -> {got[k]}' for k in auto)} at {n_groups} groups (from "
-                    f"{MANY_GROUPS} on, every tensor is SYNC on the int8 wire: docs/convergence.md, \"Many islands\")")
-            if got["top_fraction"] >= 1.0 and unused:
-                note += (f"; nothing is LOCAL, so the local.* keys set ({', '.join(unused)}) act on nothing: set "
-                         "sync.top_fraction below 1 to keep a LOCAL class")
-            notes.insert(0, note)
+            notes.insert(0, f"{', '.join(f'sync.{k} auto -> {got[k]}' for k in auto)} at {n_groups} groups "
+                            f"(from {MANY_GROUPS} on, every tensor is SYNC on the int8 wire: docs/convergence.md, "
+                            "\"Many islands\")")
     return cfg, ("topo_align: " + "; ".join(notes)) if notes else None
+
+
+def _refuse_local_keys(cfg: TopoAlignConfig, n_groups: int, *, auto: bool) -> None:
+    """Refuse the LOCAL-class keys the user set when no tensor is LOCAL (see ``resolved_config``)."""
+    unused = sorted(k for k in cfg.explicit_keys() if k.startswith(LOCAL_CLASS_KEYS))
+    if not unused:
+        return
+    why = f"sync.top_fraction auto -> 1.0 at {n_groups} groups" if auto else "sync.top_fraction = 1.0"
+    raise ConfigError(
+        f"topo_align: {', '.join(unused)} set, but every tensor is SYNC ({why}), so nothing is LOCAL for "
+        f"{'it' if len(unused) == 1 else 'them'} to act on; set sync.top_fraction below 1 to keep a LOCAL "
+        "class (e.g. 0.15 with sync.dtype bf16: docs/convergence.md, \"Many islands\") or remove "
+        f"{'it' if len(unused) == 1 else 'them'}")

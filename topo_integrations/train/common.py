@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, TopoAlignConfig
+from ..config import LOCAL_CLASS_KEYS, ConfigError, TopoAlignConfig, keeps_local_class
 from .data import DEFAULT_MAX_BYTES, DataError, GlobalBatches, build_gpt_datasets, prepare_dataset
 from .model import PRESETS, PresetError
 
@@ -143,7 +143,8 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 # Block defaults per model preset, used when neither a config file nor --set gives the field. The
 # design's default of 5 always-SYNC layers is meant for deep models; on the 4-layer 'tiny' GPT it
-# would make every block SYNC and `selective` no different from `hierarchical`.
+# would make every block SYNC and `selective` no different from `hierarchical`. Applied only with a
+# `sync.top_fraction` below 1 (a LOCAL class to shape; topo_block).
 PRESET_BLOCK_DEFAULTS: dict[str, dict[str, Any]] = {"tiny": {"sync.last_n_layers": 1}}
 
 
@@ -164,9 +165,14 @@ def topo_block(args: argparse.Namespace, *, base: TopoAlignConfig | None = None,
         else:
             cfg = TopoAlignConfig.from_file(args.topo_align_config) if args.topo_align_config else TopoAlignConfig()
         overrides: dict[str, Any] = {}
+        user = parse_set(args.set)
         if not args.topo_align_config:
+            # A LOCAL-class default (e.g. the tiny preset's last_n_layers 1) only where a LOCAL class
+            # can exist: with every tensor SYNC (`auto` from 2 groups) it would be a key set for
+            # nothing, which the engine refuses (reducer/auto_sync.py).
+            top = user.get("sync.top_fraction", cfg.sync.top_fraction)
             for k, v in {**(defaults or {}), **PRESET_BLOCK_DEFAULTS.get(args.model, {})}.items():
-                if k not in explicit:
+                if k not in explicit and (keeps_local_class(top) or not k.startswith(LOCAL_CLASS_KEYS)):
                     overrides[k] = v
         if args.topo_align_mode:
             overrides["mode"] = args.topo_align_mode
@@ -176,7 +182,7 @@ def topo_block(args: argparse.Namespace, *, base: TopoAlignConfig | None = None,
                                  "(see configs/topologies/)")
             overrides["topology.source"] = "file"
             overrides["topology.file"] = args.topology
-        overrides.update(parse_set(args.set))
+        overrides.update(user)
         # Apply the source before the file (the validator needs both together), then the rest.
         first = {k: overrides.pop(k) for k in ("topology.source", "topology.file") if k in overrides}
         if first:
