@@ -177,6 +177,14 @@ def test_topo_block_from_flags():
 
 
 @pytest.mark.timeout(60)
+def test_selective_label_says_what_auto_took():
+    e = {"sync_elements": 30, "local_elements": 0, "sync_dtype": "int8"}
+    assert common.selective_label([e, e]) == "every tensor SYNC, int8 wire"
+    assert common.selective_label([e, {**e, "local_elements": 90, "sync_dtype": "bfloat16"}]) == \
+        "40% of elements SYNC on the bfloat16/int8 wire, the rest LOCAL"
+
+
+@pytest.mark.timeout(60)
 def test_lr_schedule_warmup_then_cosine_to_floor():
     a = _args(lr=1.0, warmup_steps=10, train_steps=110, min_lr_ratio=0.1)
     assert common.lr_at(0, a) == pytest.approx(0.1) and common.lr_at(9, a) == pytest.approx(1.0)

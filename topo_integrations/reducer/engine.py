@@ -432,6 +432,7 @@ class Engine(ReconcileMixin):
         sync_el = sum(self.numels[n] for n in self.names if self.classes[n] == SYNC)
         out.update({
             "mode": str(self.mode), "configured_mode": self.cfg.mode, "optimizer_steps": self.step,
+            "sync_dtype": str(self.sync_dtype).removeprefix("torch."),
             "reconciles": self.reconciles,
             "sync_tensors": sum(c == SYNC for c in self.classes.values()),
             "local_tensors": sum(c == LOCAL for c in self.classes.values()),

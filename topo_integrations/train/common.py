@@ -198,6 +198,17 @@ def topo_block(args: argparse.Namespace, *, base: TopoAlignConfig | None = None,
     return {"enabled": cfg.enabled, "mode": cfg.mode, **cfg.model_dump(mode="json", exclude_unset=True)}
 
 
+def selective_label(engines: list[dict]) -> str:
+    """What `selective` runs with, from the engines' stats (``auto`` resolved at the group count):
+    for the run's first line and summary, where the INFO log line of `auto` is not shown."""
+    sync = sum(e["sync_elements"] for e in engines)
+    total = sync + sum(e["local_elements"] for e in engines)
+    wire = "/".join(sorted({e["sync_dtype"] for e in engines}))
+    if total and sync == total:
+        return f"every tensor SYNC, {wire} wire"
+    return f"{sync / max(1, total):.0%} of elements SYNC on the {wire} wire, the rest LOCAL"
+
+
 def virtual_hostname(rank: int, world_size: int, nodes: int) -> str:
     if nodes < 1 or nodes > world_size or world_size % nodes:
         raise UsageError(f"--virtual-nodes {nodes}: must divide the world size {world_size} "

@@ -184,6 +184,8 @@ def run(args: argparse.Namespace) -> dict:
     topo_active = stats is not None
     # The adapter hands a one-tier topology back to DeepSpeed (and says why in its log).
     shown = mode if topo_active or mode in ("flat", "stock") else f"{mode}, inactive: DeepSpeed's own reduction"
+    if topo_active and mode == "selective":
+        shown = f"{mode} ({common.selective_label([stats()])})"
     label = f"deepspeed, {shown}, {args.model} ({n_params / 1e6:.2f}M params), {world} ranks, {backend}"
     tokens_per_step = global_batch * gcfg.seq_length
     flat_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
