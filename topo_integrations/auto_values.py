@@ -7,7 +7,8 @@ cost-model scripts price the same values.
 
 from __future__ import annotations
 
-__all__ = ["MANY_GROUPS", "SYNC_AUTO", "resolve_sync", "LOCAL_CLASS_KEYS", "keeps_local_class", "BUCKET_MB_MIN",
+__all__ = ["MANY_GROUPS", "SYNC_AUTO", "resolve_sync", "LOCAL_CLASS_KEYS", "keeps_local_class",
+           "local_class_defaults", "BUCKET_MB_MIN",
            "BUCKET_MB_PER_GROUP", "resolve_bucket_mb"]
 
 # `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands"):
@@ -34,6 +35,14 @@ def keeps_local_class(top_fraction: float | str) -> bool:
     """Whether ``sync.top_fraction`` leaves room for a LOCAL class at any group count that has a
     second tier: a number below 1 (``auto`` is 1 from ``MANY_GROUPS`` groups on)."""
     return top_fraction != "auto" and float(top_fraction) < 1.0
+
+
+def local_class_defaults(defaults: dict, top_fraction: float | str) -> dict:
+    """A launcher's own defaults (dotted keys) without the LOCAL-class ones where
+    ``sync.top_fraction`` leaves no LOCAL class: set there, the engine would refuse them."""
+    if keeps_local_class(top_fraction):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if not k.startswith(LOCAL_CLASS_KEYS)}
 
 
 # `auto` communication.bucket_size_mb: DDP's 25 MiB, or BUCKET_MB_PER_GROUP per group on the rail if more

@@ -24,6 +24,7 @@ from .auto_values import (  # noqa: F401 (re-exported)
     MANY_GROUPS,
     SYNC_AUTO,
     keeps_local_class,
+    local_class_defaults,
     resolve_bucket_mb,
     resolve_sync,
 )

@@ -219,22 +219,22 @@ def topo_block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
     """The ``topo_align`` block a topo-align system runs with (trainers; ``system_layout`` plans
     from the same block): the worker spec's topology, ``--sync-last-n-layers``,
     ``--reconcile-interval`` and ``--topo-set`` keys."""
-    from ..config import keeps_local_class
+    from ..config import local_class_defaults
 
     block = {
         "enabled": True, "mode": mode,
         "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
                      "middle_level": bool(spec.get("middle_level", False))},
     }
+    ours = {"sync.last_n_layers": spec["sync_last_n_layers"], "local.async_reconcile": async_reconcile}
+    if spec.get("reconcile_interval"):  # --reconcile-interval; else topo-align's own default
+        ours["local.reconcile_interval"] = spec["reconcile_interval"]
     # The bench's own LOCAL-class settings only where a LOCAL class can exist (a --topo-set
-    # sync.top_fraction below 1): with every tensor SYNC (`auto`) they would be keys set for nothing,
-    # which the engine refuses; --reconcile-interval then sets post-local SGD's period alone.
-    if keeps_local_class(spec.get("topo_set", {}).get("sync.top_fraction", "auto")):
-        block["sync"] = {"last_n_layers": spec["sync_last_n_layers"]}
-        block["local"] = {"async_reconcile": async_reconcile}
-        if spec.get("reconcile_interval"):  # --reconcile-interval; else topo-align's own default
-            block["local"]["reconcile_interval"] = spec["reconcile_interval"]
-    for dotted, value in spec.get("topo_set", {}).items():  # --topo-set (checked by BenchSpec.check)
+    # sync.top_fraction below 1): with every tensor SYNC (`auto`) the engine would refuse them;
+    # --reconcile-interval then sets post-local SGD's period alone. --topo-set wins.
+    topo_set = spec.get("topo_set", {})
+    for dotted, value in {**local_class_defaults(ours, topo_set.get("sync.top_fraction", "auto")),
+                          **topo_set}.items():  # --topo-set checked by BenchSpec.check
         *parents, leaf = dotted.split(".")
         node = block
         for key in parents:

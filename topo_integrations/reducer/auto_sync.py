@@ -64,8 +64,8 @@ def _refuse_local_keys(cfg: TopoAlignConfig, n_groups: int, *, auto: bool) -> No
     if not unused:
         return
     why = f"sync.top_fraction auto -> 1.0 at {n_groups} groups" if auto else "sync.top_fraction = 1.0"
+    it = "it" if len(unused) == 1 else "them"
     raise ConfigError(
-        f"topo_align: {', '.join(unused)} set, but every tensor is SYNC ({why}), so nothing is LOCAL for "
-        f"{'it' if len(unused) == 1 else 'them'} to act on; set sync.top_fraction below 1 to keep a LOCAL "
-        "class (e.g. 0.15 with sync.dtype bf16: docs/convergence.md, \"Many islands\") or remove "
-        f"{'it' if len(unused) == 1 else 'them'}")
+        f"topo_align: {', '.join(unused)} set, but every tensor is SYNC ({why}), so nothing is LOCAL for {it} to "
+        "act on; set sync.top_fraction below 1 to keep a LOCAL class (e.g. 0.15 with sync.dtype bf16: "
+        f"docs/convergence.md, \"Many islands\") or remove {it}")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import LOCAL_CLASS_KEYS, ConfigError, TopoAlignConfig, keeps_local_class
+from ..config import ConfigError, TopoAlignConfig, local_class_defaults
 from .data import DEFAULT_MAX_BYTES, DataError, GlobalBatches, build_gpt_datasets, prepare_dataset
 from .model import PRESETS, PresetError
 
@@ -170,10 +170,9 @@ def topo_block(args: argparse.Namespace, *, base: TopoAlignConfig | None = None,
             # A LOCAL-class default (e.g. the tiny preset's last_n_layers 1) only where a LOCAL class
             # can exist: with every tensor SYNC (`auto` from 2 groups) it would be a key set for
             # nothing, which the engine refuses (reducer/auto_sync.py).
+            ours = {**(defaults or {}), **PRESET_BLOCK_DEFAULTS.get(args.model, {})}
             top = user.get("sync.top_fraction", cfg.sync.top_fraction)
-            for k, v in {**(defaults or {}), **PRESET_BLOCK_DEFAULTS.get(args.model, {})}.items():
-                if k not in explicit and (keeps_local_class(top) or not k.startswith(LOCAL_CLASS_KEYS)):
-                    overrides[k] = v
+            overrides.update({k: v for k, v in local_class_defaults(ours, top).items() if k not in explicit})
         if args.topo_align_mode:
             overrides["mode"] = args.topo_align_mode
         if args.topology:
