@@ -20,8 +20,8 @@ TESTS = Path(__file__).resolve().parents[1] / "tests"
 TOL = 1e-6
 """Hierarchical equals flat (the framework's own all-reduce) within this relative error."""
 
-TORCH_CASES = ("grouped-reducer-hierarchical", "grouped-reducer-selective", "ddp-hook-hierarchical",
-               "ddp-hook-selective")
+TORCH_CASES = ("grouped-reducer-hierarchical", "grouped-reducer-selective", "grouped-reducer-default",
+               "ddp-hook-hierarchical", "ddp-hook-selective")
 DEEPSPEED_CASES = tuple(f"deepspeed-zero{s}-hierarchical" for s in range(4)) + tuple(
     f"deepspeed-zero{s}-selective" for s in range(3))  # selective is refused at ZeRO-3 (docs/deepspeed.md)
 MEGATRON_CASES = ("megatron-ddp-hierarchical", "megatron-distopt-hierarchical", "megatron-ddp-selective",
@@ -84,6 +84,7 @@ def _torch_case(case: str, rank: int, device: str) -> tuple[str, str]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from topo_integrations.config import TopoAlignConfig
     from topo_integrations.torch import GroupedReducer, TopoAlignHookState, topo_align_hook
 
     import test_reducer_modes as modes_t
@@ -98,9 +99,11 @@ def _torch_case(case: str, rank: int, device: str) -> tuple[str, str]:
 
     if case.startswith("grouped-reducer"):
         model, ref = modes_t.make(1).to(dev), modes_t.make(1).to(dev)
-        red = GroupedReducer(model, modes_t.cfg_of(mode=mode, sync__last_n_layers=1, sync__top_fraction=0.1,
-                                                   local__reconcile_interval=2,
-                                                   communication__bucket_size_mb=0.001))
+        # `default`: the shipped config (every tensor SYNC on the int8 wire: all-to-all, owner sum, all-gather)
+        cfg = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"}}) \
+            if mode == "default" else modes_t.cfg_of(mode=mode, sync__last_n_layers=1, sync__top_fraction=0.1,
+                                                     local__reconcile_interval=2, communication__bucket_size_mb=0.001)
+        red = GroupedReducer(model, cfg)
         finish, after, verify, reconcile, close = (red.finish_grad_sync, red.after_optimizer_step,
                                                    red.verify_consistency, red.reconcile, red.close)
     else:
