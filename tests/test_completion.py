@@ -155,6 +155,20 @@ def _gather_params(model):
     return out
 
 
+def _rel_err_to_flat_mean(model, red, rank, world) -> float:
+    """One backward of step 0: the worst relative error, per tensor, of the reducer's gradient
+    against one flat all-reduce mean of the same gradients."""
+    import torch.distributed as dist
+
+    model(_batch(0, rank)).pow(2).mean().backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(world)
+    red.finish_grad_sync()
+    return max(((p.grad - g).norm() / g.norm()).item() for p, g in zip(model.parameters(), grads))
+
+
 def _faithful(rank, world):
     """Hierarchical equals the flat mean; selective keeps its invariants; state_dict is local."""
     import torch.distributed as dist
@@ -163,13 +177,7 @@ def _faithful(rank, world):
     res = {}
     # 1. hierarchical (fp32) equals one flat all-reduce of the same gradients, within 1e-6.
     model, red, _ = _setup(rank, "hierarchical")
-    model(_batch(0, rank)).pow(2).mean().backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
-    for g in grads:
-        dist.all_reduce(g)
-        g.div_(world)
-    red.finish_grad_sync()
-    res["hier_rel"] = max(((p.grad - g).norm() / g.norm()).item() for p, g in zip(model.parameters(), grads))
+    res["hier_rel"] = _rel_err_to_flat_mean(model, red, rank, world)
     red.close()
     # 2. selective: SYNC identical everywhere, LOCAL inside islands, all after a reconciliation.
     model, red, opt = _setup(rank, "selective")
@@ -234,13 +242,7 @@ def _faithful(rank, world):
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     red = GroupedReducer(model, cfg, groups=build_groups(discover_plan(cfg), timeout_s=TIMEOUT_S))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(_batch(0, rank)).pow(2).mean().backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
-    for g in grads:
-        dist.all_reduce(g)
-        g.div_(world)
-    red.finish_grad_sync()
-    res["int8_rel"] = max(((p.grad - g).norm() / g.norm()).item() for p, g in zip(model.parameters(), grads))
+    res["int8_rel"] = _rel_err_to_flat_mean(model, red, rank, world)
     res["int8_wire"] = (str(red.engine.sync_dtype), red.stats()["local_elements"])
     opt.step()
     red.after_optimizer_step(opt)
