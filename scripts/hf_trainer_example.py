@@ -42,7 +42,7 @@ def parse(argv=None) -> argparse.Namespace:
 def rank_main(rank: int, world: int, a: argparse.Namespace) -> dict:
     """One rank: fake hostname, install the hook, train, return what rank 0 reports."""
     if a.virtual_nodes:
-        from topo_integrations.reducer.groups import HOSTNAME_ENV
+        from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
 
         os.environ[HOSTNAME_ENV] = f"vnode{rank * a.virtual_nodes // world}"
     import topo_integrations.deepspeed as tds

@@ -8,7 +8,7 @@ Every ``import`` and ``from ... import`` in every module counts, at module level
                        doctor, plot (topology)     diagnostics (reducer, doctor, emulate)
 
 Also checked here: the adapters (torch, deepspeed, megatron) issue no collective of their own and
-import neither reducer.collectives nor reducer.wire (every collective is the engine's); frameworks
+import neither reducer.wire.collectives nor reducer.wire.wire (every collective is the engine's); frameworks
 (deepspeed, megatron) are imported only by their adapters and the parts above them; no module
 imports another module's private name; no library module installs a warning filter at import; no
 module is longer than MAX_LINES; comments and docs point to files of this repository, never to
@@ -83,11 +83,24 @@ def _modules() -> dict[str, Path]:
 
 MODULES = _modules()
 
+# Old module paths that reducer/__init__.py registers as the modules they became (issue 41): an import
+# spelled the old way is the same dependency.
+ALIASES = {f"{PKG}.reducer.groups": f"{PKG}.reducer.plan",
+           f"{PKG}.reducer.collectives": f"{PKG}.reducer.wire.collectives"}
+
 
 def _part(module: str) -> str:
     """``topo_integrations.reducer.health`` -> ``reducer``; the package itself -> ``""``."""
     rest = module.split(".")[1:]
     return rest[0] if rest else ""
+
+
+def _alias(module: str) -> str:
+    """``module`` with an old path (ALIASES) replaced by the module it became."""
+    for old, new in ALIASES.items():
+        if module == old or module.startswith(old + "."):
+            return new + module[len(old):]
+    return module
 
 
 def _imports(module: str, path: Path) -> list[tuple[str, int]]:
@@ -98,7 +111,7 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
     out = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == PKG]
+            out += [(_alias(a.name), node.lineno) for a in node.names if a.name.split(".")[0] == PKG]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[: len(here) - (node.level - 1)]
@@ -107,8 +120,9 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
                 target = node.module or ""
             if target.split(".")[0] != PKG:
                 continue
+            target = _alias(target)
             for a in node.names:
-                sub = f"{target}.{a.name}"
+                sub = _alias(f"{target}.{a.name}")
                 out.append((sub if sub in MODULES else target, node.lineno))
     return out
 
@@ -116,8 +130,8 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
 # -- adapters issue no collective of their own ---------------------------------------------------
 
 ADAPTERS = ("torch", "deepspeed", "megatron")
-ENGINE_ONLY = {f"{PKG}.reducer.collectives", f"{PKG}.reducer.wire"}
-"""Modules only the engine imports: an adapter hands buckets to the dispatcher (reducer/dispatch.py)."""
+ENGINE_ONLY = {f"{PKG}.reducer.wire.collectives", f"{PKG}.reducer.wire.wire", f"{PKG}.reducer.wire.lossy_wire"}
+"""Modules only the engine imports: an adapter hands buckets to the dispatcher (reducer/schedule/dispatch.py)."""
 COLLECTIVES = {
     "all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_single", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
@@ -171,7 +185,8 @@ def _distributed_calls(path: Path) -> list[tuple[str, int]]:
 
 
 def test_adapters_issue_no_collective_of_their_own():
-    """Every collective of an adapter goes through the engine (reducer/dispatch.py, reducer/replicas.py),
+    """Every collective of an adapter goes through the engine (reducer/schedule/dispatch.py,
+    reducer/wire/replicas.py),
     so it takes its place in the one schedule and ends in a named, bounded error."""
     bad, seen = [], set()
     for module, path in MODULES.items():
@@ -184,7 +199,7 @@ def test_adapters_issue_no_collective_of_their_own():
                 seen.add((module, op))
             else:
                 bad.append(f"{rel}:{line}: calls torch.distributed.{op} (hand it to the engine: engine.call, "
-                           "reducer/replicas.py)")
+                           "reducer/wire/replicas.py)")
     assert not bad, "adapters issuing collectives themselves:\n" + "\n".join(bad)
     stale = set(KNOWN_ADAPTER_COLLECTIVES) - seen
     assert not stale, f"no longer called; delete them from KNOWN_ADAPTER_COLLECTIVES: {stale}"

@@ -746,7 +746,7 @@ def _workers(spec: Path) -> list[int]:
 def test_topo_block_sets_the_bench_local_class_keys_only_where_one_can_exist():
     """The bench's --sync-last-n-layers / --reconcile-interval / async flag shape a LOCAL class: with
     the default (every tensor SYNC from 2 groups) they are left out, as the engine refuses them set
-    for nothing (reducer/auto_sync.py); a --topo-set sync.top_fraction below 1 brings them back."""
+    for nothing (reducer/classes/auto_sync.py); a --topo-set sync.top_fraction below 1 brings them back."""
     from topo_integrations.bench.systems import topo_block
 
     spec = {"topology_file": "t.json", "group_by": "island", "sync_last_n_layers": 5, "reconcile_interval": 16}

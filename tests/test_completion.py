@@ -1,6 +1,6 @@
 """NCCL's completion semantics on the CPU: bounded, named failures and collective-free state.
 
-The ``deferred`` test double (reducer/completion.py, ``TOPO_ALIGN_DEFERRED_COMPLETION=1``) makes a
+The ``deferred`` test double (reducer/watch/completion.py, ``TOPO_ALIGN_DEFERRED_COMPLETION=1``) makes a
 collective's future complete at enqueue and its data arrive later (or never), as on NCCL; the fault
 tests below run the real GroupedReducer on 4 gloo ranks (2 nodes x 2) through it and check that
 every collective ends within ``fallback.timeout_s`` of its issue, done or in one error naming op,
@@ -24,10 +24,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from topo_integrations.reducer.collectives import CollectiveError
-from topo_integrations.reducer.completion import DEFERRED_ENV, Watch, backstop_timeout_s, completion_kind
-from topo_integrations.reducer.dispatch import Dispatcher
 from topo_integrations.reducer.kinds import Traffic
+from topo_integrations.reducer.schedule.dispatch import Dispatcher
+from topo_integrations.reducer.watch.completion import DEFERRED_ENV, Watch, backstop_timeout_s, completion_kind
+from topo_integrations.reducer.watch.errors import CollectiveError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -119,7 +119,7 @@ def _setup(rank, mode, *, timeout_s=TIMEOUT_S, reconcile_interval=2, layers=4):
 
     from topo_integrations import GroupedReducer, TopoAlignConfig
     from topo_integrations.reducer import build_groups, discover_plan
-    from topo_integrations.reducer.groups import HOSTNAME_ENV
+    from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     cfg = TopoAlignConfig.model_validate({

@@ -50,7 +50,7 @@ def test_auto_sync_follows_the_group_count():
     explicit values pass through; resolved values are not counted as the user's keys; the log line
     names what `auto` became."""
     from topo_integrations.config import MANY_GROUPS, resolve_sync
-    from topo_integrations.reducer.auto_sync import resolved_config
+    from topo_integrations.reducer.classes.auto_sync import resolved_config
 
     assert MANY_GROUPS == 2
     assert [resolve_sync("auto", "auto", n) for n in (1, 2, 3, 4, 8, 128)] == \
@@ -95,7 +95,7 @@ def test_auto_bucket_grows_with_the_rail():
     the groups pays 2(groups - 1) latencies per bucket), in every mode; a number passes through and
     stays the user's key; the log line says what `auto` became only where it differs from 25 MiB."""
     from topo_integrations.config import resolve_bucket_mb
-    from topo_integrations.reducer.auto_sync import resolved_config
+    from topo_integrations.reducer.classes.auto_sync import resolved_config
 
     assert [resolve_bucket_mb("auto", n) for n in (1, 2, 6, 7, 8, 120, 128, 100_000)] == \
         [25.0, 25.0, 25.0, 28.0, 32.0, 480.0, 512.0, 65536.0]

@@ -1,5 +1,5 @@
 """Convergence of `selective` vs `flat` (shortened GPT comparison of scripts/convergence.py) and the
-drift monitor (reducer/drift.py), on 4 gloo ranks in 2 groups (2 faked nodes x 2 ranks).
+drift monitor (reducer/classes/drift.py), on 4 gloo ranks in 2 groups (2 faked nodes x 2 ranks).
 
 The ranks start once for the module; `_rank_main` runs every scenario and returns what the tests
 assert on.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from topo_integrations.config import TopoAlignConfig
-from topo_integrations.reducer.drift import DriftMonitor
+from topo_integrations.reducer.classes.drift import DriftMonitor
 
 SCRIPTS = str(Path(__file__).resolve().parent.parent / "scripts")
 if SCRIPTS not in sys.path:

@@ -22,7 +22,7 @@ from topo_integrations.deepspeed import compat  # noqa: E402
 from topo_integrations.deepspeed import harness as H  # noqa: E402
 from topo_integrations.deepspeed.block import from_deepspeed_config  # noqa: E402
 from topo_integrations.deepspeed.support import KEY_REFUSALS, UnsupportedConfigError, check_supported  # noqa: E402
-from topo_integrations.reducer.classes import SYNC, classify, layer_indices  # noqa: E402
+from topo_integrations.reducer.classes.classes import SYNC, classify, layer_indices  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "deepspeed" / "deepspeed-0.19.8-topo-align.patch"
@@ -281,7 +281,7 @@ def test_ready_config_is_valid(path):
 # -- classes and the CPU op ----------------------------------------------------------------------
 
 def _classify(named, sync_cfg, scores=None):
-    """The engine's classification rules (reducer/classes.py) as the adapter applies them."""
+    """The engine's classification rules (reducer/classes/classes.py) as the adapter applies them."""
     names = [n for n, _ in named]
     out = classify(names, [k for _, k in named], last_n_layers=sync_cfg.last_n_layers,
                    always_sync=list(sync_cfg.always_sync), top_fraction=sync_cfg.top_fraction,

@@ -217,7 +217,7 @@ def _rail(rank):
         zero = dict(small, overlap_comm=True)
         stock = _engine(_rail_model(rank, None), H.ds_config(stage, clip=0.05, zero_optimization=zero), "adamw")
         H.train(stock, 6)
-        # no LOCAL-class keys: with nothing LOCAL the engine refuses them (reducer/auto_sync.py)
+        # no LOCAL-class keys: with nothing LOCAL the engine refuses them (reducer/classes/auto_sync.py)
         block = {"enabled": True, "mode": "selective", "topology": {"source": "hostnames"},
                  "sync": {"top_fraction": 1.0, "dtype": "fp32"}}
         eng = _engine(_rail_model(rank, None), H.ds_config(stage, clip=0.05, topo=block, zero_optimization=zero),
@@ -394,7 +394,7 @@ class _CollectiveSpy:
 
         import torch.distributed as tdist
 
-        from topo_integrations.reducer import collectives as C
+        from topo_integrations.reducer.wire import collectives as C
 
         self.tdist, self.C = tdist, C
         self.flag = threading.local()
@@ -759,7 +759,7 @@ def test_flat_topology_falls_back_or_refuses(world):
 def test_monitor_scalars_and_comms_logger(world):
     rec = _ok(world, "monitor")
     # DeepSpeed's comms_logger still logs DeepSpeed's own collectives; the adapter's go through the
-    # shared reducer layer (reducer/collectives.py) and are counted in its statistics instead.
+    # shared reducer layer (reducer/wire/collectives.py) and are counted in its statistics instead.
     assert rec["ops"], rec["ops"]
     assert rec["stats"]["inter"]["sync"] > 0 and rec["stats"]["intra"]["sync"] > rec["stats"]["inter"]["sync"]
     # Reducer statistics arrive in DeepSpeed's monitor (CSV backend here) as scalars.
@@ -791,7 +791,7 @@ def test_async_reconcile_invariants_staleness_and_collectives(world, stage):
     assert rec["equal_after_forced"]
     assert rec["losses"][-1] < rec["losses"][0]
     # Nothing bypasses the device-checking layer; LOCAL-class collectives ran on the dispatcher's
-    # thread (one issuing thread, reducer/dispatch.py).
+    # thread (one issuing thread, reducer/schedule/dispatch.py).
     assert rec["calls"] > 0 and rec["bypass"] == [], rec["bypass"]
     assert rec["local_threads"] and all(t.startswith("topo_align_dispatch") for t in rec["local_threads"]), rec
 

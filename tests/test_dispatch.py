@@ -1,4 +1,4 @@
-"""The dispatcher (reducer/dispatch.py) and the collective check (reducer/order.py).
+"""The dispatcher (reducer/schedule/dispatch.py) and the collective check (reducer/schedule/order.py).
 
 Unit part: the release rules, fail-fast and bounded waits on a dispatcher whose buckets are plain
 functions (no collective: the logic is isolated), and :func:`compare` on hand-made traces.
@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from topo_integrations.reducer.collectives import CollectiveError
-from topo_integrations.reducer.dispatch import Dispatcher
 from topo_integrations.reducer.kinds import Traffic
-from topo_integrations.reducer.order import CollectiveOrderError, Fingerprint, compare
+from topo_integrations.reducer.schedule.dispatch import Dispatcher
+from topo_integrations.reducer.schedule.order import CollectiveOrderError, Fingerprint, compare
+from topo_integrations.reducer.watch.errors import CollectiveError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,7 +123,7 @@ def _rank_main(rank, world):
 
     from topo_integrations import GroupedReducer, TopoAlignConfig
     from topo_integrations.reducer import build_groups, discover_plan
-    from topo_integrations.reducer.groups import HOSTNAME_ENV
+    from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     os.environ["TOPO_ALIGN_CHECK_COLLECTIVES"] = "1"

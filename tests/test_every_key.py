@@ -314,7 +314,7 @@ def _effects(rank: int, records: list[str]) -> dict:
             companions = {**companions, "topology.source": "file", "topology.file": topo_file}
             value = companions[key]
         # a LOCAL class to act on: `auto` makes every tensor SYNC at 2 groups, where the engine refuses
-        # the LOCAL-class keys (reducer/auto_sync.py, tests/test_config.py)
+        # the LOCAL-class keys (reducer/classes/auto_sync.py, tests/test_config.py)
         common = {"mode": _mode("GroupedReducer", key), "local.reconcile_interval": 2,
                   "sync.top_fraction": 0.15, "sync.dtype": "bf16",
                   **{k: v for k, v in companions.items() if k not in ("topology.source", "topology.file")}}

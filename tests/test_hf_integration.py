@@ -101,7 +101,7 @@ def _accelerate(rank):
 
 def _rank_main(rank, world, tmp):
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from topo_integrations.reducer.groups import HOSTNAME_ENV
+    from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
 
     os.environ[HOSTNAME_ENV] = f"vnode{rank // 2}"  # 2 virtual nodes x 2 ranks
     import topo_integrations.deepspeed as tds

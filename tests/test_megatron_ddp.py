@@ -197,7 +197,7 @@ def _auto_many_islands(rank, spec, *, dist_opt):
 class _Spy:
     """Every torch.distributed collective on a topo_align group handle must be issued inside
     ``collectives.run`` (a thread-local flag set by a wrapper), and all of them from the dispatcher's
-    thread when the engine has one (one issuing thread: the ordering rule, reducer/dispatch.py)."""
+    thread when the engine has one (one issuing thread: the ordering rule, reducer/schedule/dispatch.py)."""
 
     OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather",
            "all_to_all_single")
@@ -207,7 +207,7 @@ class _Spy:
 
         import torch.distributed as dist
 
-        from topo_integrations.reducer import collectives as C
+        from topo_integrations.reducer.wire import collectives as C
 
         self.C, self.dist, self.tl = C, dist, threading.local()
         self.worker = any(e.dispatcher.threaded for e in ddp.topo_engines)
@@ -248,7 +248,8 @@ class _Spy:
 
         # modules that bound the function by name at import (imported before C.run is replaced, or
         # they would bind the wrapper)
-        from topo_integrations.reducer import adaptive, health
+        from topo_integrations.reducer.adaptive import adaptive
+        from topo_integrations.reducer.wire import health
 
         self.C.run = run
         self.bound = [(m, n) for m in (adaptive, health) for n in ("run", "_run") if getattr(m, n, None) is orig_run]

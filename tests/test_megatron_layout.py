@@ -88,10 +88,10 @@ def derive(monkeypatch):
     """``derive(argv, model_parallel_size)`` -> (args, discoveries) with discovery faked to the 2x2 plan."""
     import torch.distributed as dist
 
-    from topo_integrations.reducer import groups
+    from topo_integrations.reducer.plan import discover
 
     calls = []
-    monkeypatch.setattr(groups, "discover_plan", lambda cfg: calls.append(cfg) or _plan())
+    monkeypatch.setattr(discover, "discover_plan", lambda cfg: calls.append(cfg) or _plan())
     monkeypatch.setattr(dist, "get_rank", _FakeDist.get_rank)
 
     def run(argv, model_parallel_size=1, times=1):

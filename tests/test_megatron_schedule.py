@@ -54,7 +54,7 @@ def _megatron(rank):
     from topo_integrations.megatron.groups import GroupSet
     from topo_integrations.megatron.optimizer import prepare_optimizer
     from topo_integrations.megatron.testing import TinyGPT, batch_for, build_gpt, init_parallel
-    from topo_integrations.reducer import dispatch
+    from topo_integrations.reducer.schedule import dispatch
 
     compared = []
     real = dispatch.compare
@@ -114,7 +114,7 @@ def _two_reducers(rank):
 
     from topo_integrations import GroupedReducer, TopoAlignConfig
     from topo_integrations.reducer import build_groups, discover_plan
-    from topo_integrations.reducer.order import CollectiveOrderError
+    from topo_integrations.reducer.schedule.order import CollectiveOrderError
 
     cfg = TopoAlignConfig.model_validate({
         "mode": "selective", "sync": {"last_n_layers": 1, "always_sync": [], "top_fraction": 0.0},
@@ -157,7 +157,7 @@ def _two_reducers(rank):
 
 def _rank_main(rank, world):
     from topo_integrations.megatron import cpu_compat
-    from topo_integrations.reducer.groups import HOSTNAME_ENV
+    from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     cpu_compat.apply()

@@ -136,7 +136,7 @@ def test_adding_flags_twice_is_harmless():
 def test_engine_classes_with_megatron_global_layers_and_forced_names():
     # What TopoAlignDDP hands the engine: global layer indices, num_layers of the whole model, and
     # forced SYNC names (tied embedding, expert buckets Megatron reduces itself).
-    from topo_integrations.reducer.classes import classify
+    from topo_integrations.reducer.classes.classes import classify
 
     named = [("embedding.word_embeddings.weight", 1000), ("decoder.layers.0.mlp.weight", 400),
              ("decoder.layers.0.attn.weight", 300), ("decoder.layers.1.mlp.weight", 400),

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from topo_integrations.config import TopoAlignConfig
-from topo_integrations.reducer.groups import HOSTNAME_ENV, gather_hostnames_topology
+from topo_integrations.reducer.plan.planning import HOSTNAME_ENV, gather_hostnames_topology
 from topo_integrations.testing import WorldError, run_world
 from topo_integrations.topology import PlanError, plan_groups
 
@@ -44,7 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     """Run every collective on the layout of ``g``; return measured errors and flags."""
-    from topo_integrations.reducer.collectives import (
+    from topo_integrations.reducer.wire.collectives import (
         agree_scalar,
         flat_all_reduce,
         hierarchical_all_reduce,
@@ -115,7 +115,7 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     want = torch.stack([allx[r] for r in g.intra_ranks]).double().mean(0)
     y = intra_all_reduce(x.clone(), g)
     out["intra_fp32_rel"] = _rel(y, want)
-    from topo_integrations.reducer.collectives import hop_residual_numel
+    from topo_integrations.reducer.wire.collectives import hop_residual_numel
 
     y16 = intra_all_reduce(x.clone(), g, wire_dtype=torch.float16,
                            residual=torch.zeros(hop_residual_numel(1001, g.intra_size, torch.float16)))
@@ -134,7 +134,7 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     # 7. fp16 inter wire: error feedback over 50 steps (gradients with a persistent part + noise).
     n = 4096
     base = torch.randn(n, generator=gen) * torch.logspace(-2, 0, n)[torch.randperm(n, generator=gen)]
-    from topo_integrations.reducer.collectives import residual_numel
+    from topo_integrations.reducer.wire.collectives import residual_numel
 
     # the slow-tier payload (spine chunk: 3 levels), padded, and my chunk of its sum
     res = torch.zeros(residual_numel(-(-n // g.intra_size), g, torch.float16))
@@ -175,7 +175,7 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     # 10. rail reduce-scatter (ZeRO-3's cross-island step): member i of my rail gets chunk i of the sum
     #     over the rail, exactly in fp32; on an fp16 wire within one rounding of each sender's scaled
     #     value (2^-11 relative, compression.py), summed in fp32.
-    from topo_integrations.reducer.collectives import rail_reduce_scatter
+    from topo_integrations.reducer.wire.collectives import rail_reduce_scatter
 
     K = g.inter_size
     x = torch.randn(K * 301, generator=gen)
@@ -225,7 +225,7 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
     out["int8_no_ef_err"] = float((s_no - s_ex).norm() / s_ex.norm())
     # 12. int8 SYNC wire (sync.dtype int8): hierarchical all-reduce, every rank its own gradient;
     #     identical everywhere, within the per-block grid of the exact mean; error feedback repays it.
-    from topo_integrations.reducer.collectives import residual_numel as rnum
+    from topo_integrations.reducer.wire.collectives import residual_numel as rnum
 
     res = torch.zeros(rnum(-(-n // g.intra_size), g, torch.int8))
     s_ef.zero_(), s_no.zero_(), s_ex.zero_()
@@ -250,7 +250,8 @@ def collective_checks(g, seed: int, ef_steps: int = 50) -> dict:
 
 
 def _rank_main(rank, world):
-    from topo_integrations.reducer.groups import build_groups, discover_plan
+    from topo_integrations.reducer.plan.discover import discover_plan
+    from topo_integrations.reducer.plan.groups import build_groups
 
     res = {}
     cfg = TopoAlignConfig.model_validate({"mode": "hierarchical", "topology": {"source": "hostnames"}})
@@ -399,8 +400,9 @@ def test_file_source(world4):
 
 
 def _die(rank, world):
-    from topo_integrations.reducer.collectives import hierarchical_all_reduce
-    from topo_integrations.reducer.groups import build_groups, discover_plan
+    from topo_integrations.reducer.plan.discover import discover_plan
+    from topo_integrations.reducer.plan.groups import build_groups
+    from topo_integrations.reducer.wire.collectives import hierarchical_all_reduce
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     cfg = TopoAlignConfig.model_validate({"mode": "hierarchical", "topology": {"source": "hostnames"}})

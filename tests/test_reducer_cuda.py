@@ -86,9 +86,9 @@ def _nccl_main(rank, world):
     import torch.distributed as dist
 
     from topo_integrations.reducer import build_groups
-    from topo_integrations.reducer.dispatch import CommBucket
-    from topo_integrations.reducer.engine import Engine
-    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.reducer.engine.engine import Engine
+    from topo_integrations.reducer.plan.planning import gather_hostnames_topology
+    from topo_integrations.reducer.schedule.dispatch import CommBucket
     from topo_integrations.topology import plan_groups
 
     from test_reducer_modes import cfg_of
@@ -138,10 +138,10 @@ def _nccl_fault_main(rank, world):
     import time
 
     from topo_integrations.reducer import build_groups
-    from topo_integrations.reducer.collectives import CollectiveError
-    from topo_integrations.reducer.dispatch import CommBucket
-    from topo_integrations.reducer.engine import Engine
-    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.reducer.engine.engine import Engine
+    from topo_integrations.reducer.plan.planning import gather_hostnames_topology
+    from topo_integrations.reducer.schedule.dispatch import CommBucket
+    from topo_integrations.reducer.watch.errors import CollectiveError
     from topo_integrations.topology import plan_groups
 
     from test_reducer_modes import cfg_of

@@ -417,7 +417,7 @@ def s_streaming(rank, world, groups):
     step, each fragment's bytes on its own steps (drained per step), every fragment reconciled every
     interval, everything identical after reconcile(), bitwise resume mid-cycle; and promotion over a
     window of 2 with demotion (streaming too): invariants and a bitwise resume."""
-    from topo_integrations.reducer.reconcile import fragments
+    from topo_integrations.reducer.reconcile.reconcile import fragments
     from topo_integrations.torch import GroupedReducer
 
     out = {}
@@ -542,7 +542,7 @@ def s_fallback(rank, world):
     st = red.stats()
     red.close()
     # one-tier groups: no rails; the collectives still work (intra = the DP group, one hop skipped)
-    from topo_integrations.reducer.collectives import hierarchical_all_reduce, reconcile_average
+    from topo_integrations.reducer.wire.collectives import hierarchical_all_reduce, reconcile_average
 
     g = red.groups
     x = torch.randn(101, generator=torch.Generator().manual_seed(rank))
@@ -565,7 +565,7 @@ def s_timeout(rank, world, groups_unused):
     import time
 
     from topo_integrations.reducer import build_groups, discover_plan
-    from topo_integrations.reducer.collectives import hierarchical_all_reduce
+    from topo_integrations.reducer.wire.collectives import hierarchical_all_reduce
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     g = build_groups(discover_plan(cfg_of()), timeout_s=2.0)

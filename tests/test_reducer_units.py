@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from topo_integrations.reducer.classes import LOCAL, SYNC, classify, layer_indices
-from topo_integrations.reducer.compression import (
+from topo_integrations.reducer.classes.classes import LOCAL, SYNC, classify, layer_indices
+from topo_integrations.reducer.wire.compression import (
     choose_scale,
     fold_owner_residual,
     is_lossy,
@@ -174,7 +174,7 @@ def test_sync_groups_get_high_priority_nccl_streams(monkeypatch):
     (The CPU build of torch has no ProcessGroupNCCL: a stand-in Options class isolates the choice.)"""
     import torch.distributed as dist
 
-    from topo_integrations.reducer.groups import SYNC_KINDS, group_options
+    from topo_integrations.reducer.plan.groups import SYNC_KINDS, group_options
 
     class Options:
         is_high_priority_stream = False
@@ -194,8 +194,9 @@ def test_sync_groups_get_high_priority_nccl_streams(monkeypatch):
 
 def test_collectives_refuse_a_tensor_off_the_comm_device():
     """Every collective checks the communication device before touching the network."""
-    from topo_integrations.reducer.collectives import agree_scalar, hierarchical_all_reduce
-    from topo_integrations.reducer.groups import ReducerGroups, gather_hostnames_topology
+    from topo_integrations.reducer.plan.groups import ReducerGroups
+    from topo_integrations.reducer.plan.planning import gather_hostnames_topology
+    from topo_integrations.reducer.wire.collectives import agree_scalar, hierarchical_all_reduce
     from topo_integrations.topology import plan_groups
 
     plan = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from topo_integrations.reducer.groups import HOSTNAME_ENV, gather_hostnames_topology
+from topo_integrations.reducer.plan.planning import HOSTNAME_ENV, gather_hostnames_topology
 from topo_integrations.topology import PlanError, plan_groups
 
 from test_reducer_collectives import assert_collectives, collective_checks
@@ -136,8 +136,8 @@ def _three_level(rank, world):
     """topology.middle_level on 2 leaves x 2 islands x 2 ranks: every collective through island,
     leaf rail and spine rail; exactness, bytes per tier, and a selective run with invariant 1."""
     from topo_integrations.reducer import build_groups, discover_plan
-    from topo_integrations.reducer.collectives import hierarchical_all_reduce
-    from topo_integrations.reducer.stats import Stats
+    from topo_integrations.reducer.engine.stats import Stats
+    from topo_integrations.reducer.wire.collectives import hierarchical_all_reduce
     from topo_integrations.torch import GroupedReducer
 
     cfg = cfg_of(topology__source="file", topology__file=LEAF8, topology__middle_level=True)
@@ -173,8 +173,8 @@ def _eight_islands(rank, world):
     import dataclasses
 
     from topo_integrations.reducer import build_groups
-    from topo_integrations.reducer.collectives import hierarchical_all_reduce, residual_numel
-    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.reducer.plan.planning import gather_hostnames_topology
+    from topo_integrations.reducer.wire.collectives import hierarchical_all_reduce, residual_numel
 
     # The planner falls back to `flat` for islands of one rank (nothing to reduce inside them);
     # forcing the two-level plan makes the rail all 8 ranks, the most islands 8 ranks can give.

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from topo_integrations.config import AdaptiveConfig
-from topo_integrations.reducer.adaptive import AdaptivePolicy, Measurement
+from topo_integrations.reducer.adaptive.adaptive import AdaptivePolicy, Measurement
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "test_reliability_emulated.py")
@@ -81,7 +81,7 @@ def test_policy_keeps_flat_only_when_faster():
 
 def test_check_probe_names_the_slow_group():
     from topo_integrations.diagnostics import check_probe
-    from topo_integrations.reducer.health import ProbeResult
+    from topo_integrations.reducer.wire.health import ProbeResult
     from topo_integrations.topology import plan_groups
     from topo_integrations.topology.file_source import load_topology_file
 
@@ -112,7 +112,7 @@ def _world(rank, world_size):
     from topo_integrations import GroupedReducer, TopoAlignConfig
     from topo_integrations.diagnostics import start_of_run_check
     from topo_integrations.reducer import CollectiveError
-    from topo_integrations.reducer.health import probe_groups
+    from topo_integrations.reducer.wire.health import probe_groups
 
     os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # 2 nodes x 2 ranks
     logging.getLogger("topo_align").setLevel(logging.ERROR)
@@ -184,8 +184,8 @@ def _world(rank, world_size):
     res["findings"] = [(f.level, f.what) for f in start_of_run_check(red.groups, sysfs_root="/nonexistent",
                                                                      nbytes=64 * 1024)]
     # adaptive regrouping: rank 0's plan (islands {0, 2}, {1, 3}) wins, every rank rebuilds the groups
-    from topo_integrations.reducer.groups import gather_hostnames_topology
-    from topo_integrations.reducer.regroup import regroup
+    from topo_integrations.reducer.adaptive.regroup import regroup
+    from topo_integrations.reducer.plan.planning import gather_hostnames_topology
     from topo_integrations.topology import plan_groups
 
     theirs = plan_groups(gather_hostnames_topology(["a", "b", "a", "b"]))
@@ -229,7 +229,7 @@ def _scripted_slow_link(rank, world_size):
     import torch.nn as nn
 
     from topo_integrations import GroupedReducer, TopoAlignConfig
-    from topo_integrations.reducer.adaptive import Measurement
+    from topo_integrations.reducer.adaptive.adaptive import Measurement
 
     cfg = TopoAlignConfig.model_validate({
         "mode": "hierarchical", "fallback": {"timeout_s": 8.0}, "communication": {"bucket_size_mb": 0.05},
@@ -313,7 +313,7 @@ def _checkpoint_roundtrip(red, model, cfg):
 def _auto_regroup(red, step, i, rank):
     """Adaptive regrouping triggered at a check: injected measurements make the decision deterministic.
     Rank 0's numbers say the host grouping is faster; the other ranks' say keep (rank 0 decides)."""
-    from topo_integrations.reducer.groups import gather_hostnames_topology
+    from topo_integrations.reducer.plan.planning import gather_hostnames_topology
     from topo_integrations.topology import plan_groups
 
     by_host = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))
@@ -489,8 +489,8 @@ def test_adaptive_regroup_triggers_at_check_and_all_ranks_agree(world):
 
 
 def test_choose_plan_prefers_the_grouping_that_avoids_the_slow_tier():
-    from topo_integrations.reducer.groups import gather_hostnames_topology
-    from topo_integrations.reducer.regroup import choose_plan
+    from topo_integrations.reducer.adaptive.regroup import choose_plan
+    from topo_integrations.reducer.plan.planning import gather_hostnames_topology
     from topo_integrations.topology import plan_groups
 
     by_host = plan_groups(gather_hostnames_topology(["a", "a", "b", "b"]))

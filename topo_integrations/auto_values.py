@@ -1,7 +1,7 @@
 """What each `auto` key of the ``topo_align`` block becomes at the engine's group count.
 
 Plain functions of the group count every rank shares (so every rank takes the same values): the
-engine applies them once when it is built (reducer/auto_sync.py), `topo-align simulate` and the
+engine applies them once when it is built (reducer/classes/auto_sync.py), `topo-align simulate` and the
 cost-model scripts price the same values.
 """
 
@@ -26,7 +26,7 @@ def resolve_sync(dtype: str, top_fraction: float | str, n_groups: int) -> tuple[
 
 # Keys that act only through a LOCAL class: how tensors are ranked into it (importance.*, the
 # always-SYNC rules) and how it is reduced and reconciled (local.*). Where every tensor is SYNC they
-# have nothing to act on: the engine refuses them when the user set them (reducer/auto_sync.py), and
+# have nothing to act on: the engine refuses them when the user set them (reducer/classes/auto_sync.py), and
 # a launcher's own defaults for them apply only where a LOCAL class can exist (keeps_local_class).
 LOCAL_CLASS_KEYS = ("local.", "importance.", "sync.last_n_layers", "sync.always_sync", "sync.layer_pattern")
 

@@ -213,7 +213,7 @@ class LocalConfig(_Section):
 
     promote_drift_fraction: float = Field(default=0.15, ge=0.0, le=1.0)
     """Drift-driven promotion budget: the LOCAL tensors whose replicas drift apart most (relative
-    norm, see `reducer/drift.py`) become SYNC, largest drift first, while the promoted tensors stay
+    norm, see `reducer/classes/drift.py`) become SYNC, largest drift first, while the promoted tensors stay
     within this fraction of all gradient elements. The budget is a byte budget on the slow tier:
     a promoted element crosses it on the `sync.dtype` wire every step instead of on the
     `reconcile_dtype` wire every `reconcile_interval` steps (the log line of a promotion gives the

@@ -109,7 +109,7 @@ def start_of_run_check(groups, *, sysfs_root: str | None = None, probe: bool = T
     if nvidia_smi:
         findings += check_gpu_links()
     if probe:
-        from .reducer.health import probe_groups
+        from .reducer.wire.health import probe_groups
 
         result = probe_groups(groups, nbytes=nbytes, device=device)
         findings += check_probe(result, groups.plan, tolerance=tolerance)
@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from .config import TopoAlignConfig
-    from .reducer.groups import build_groups, discover_plan
-    from .reducer.health import probe_groups
+    from .reducer.plan.discover import discover_plan
+    from .reducer.plan.groups import build_groups
+    from .reducer.wire.health import probe_groups
 
     ap = argparse.ArgumentParser(prog=f"python -m {PROBE_MODULE}")
     ap.add_argument("--json", required=True)

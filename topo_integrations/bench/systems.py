@@ -186,7 +186,7 @@ def selective_parts(layout: Layout, params: int, info: dict) -> dict[str, dict[s
 
 def reconcile_payload(local_elements: float, n_rec: int, info: dict) -> float:
     """Bytes handed to the cross-group average by ``n_rec`` reconciliations of ``local_elements``
-    LOCAL parameters trained with Adam (reducer/reconcile.py):
+    LOCAL parameters trained with Adam (reducer/reconcile/reconcile.py):
 
     - values: fp32 means, or, with a 16- or 8-bit ``reconcile_dtype`` (or an outer optimizer), the deltas
       on that wire after a first exact fp32 average that sets the anchor;
@@ -266,7 +266,7 @@ def system_layout(key: str, topo, *, topology_file: str, group_by: str, middle_l
     if mode is None:
         return plan_layout(topo, plan_groups(topo, group_by=group_by, middle_level=middle_level))
     from ..config import TopoAlignConfig
-    from ..reducer.groups import plan_for
+    from ..reducer.plan.planning import plan_for
 
     spec = {"topology_file": topology_file, "group_by": group_by, "middle_level": middle_level,
             "sync_last_n_layers": sync_last_n_layers, "reconcile_interval": reconcile_interval,

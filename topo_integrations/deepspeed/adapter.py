@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 
 from ..config import ConfigError
-from ..reducer.classes import SYNC, layer_indices
-from ..reducer.engine import Engine, ParamReconcileSource
+from ..reducer.classes.classes import SYNC, layer_indices
+from ..reducer.engine.engine import Engine, ParamReconcileSource
 
 __all__ = ["DeepSpeedTopo", "STATE_FORMAT"]
 
@@ -35,7 +35,7 @@ STATE_FORMAT = "topo-align/deepspeed/v2"
 
 ADAPTIVE_LEVELS = ("normal", "reconcile", "fp16")
 """Levels the DeepSpeed adapter can apply: DeepSpeed owns the data-parallel layout, so no `flat`
-level and no regrouping (reducer/adaptive.py)."""
+level and no regrouping (reducer/adaptive/adaptive.py)."""
 
 
 def comm_device() -> torch.device:

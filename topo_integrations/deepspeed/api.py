@@ -134,8 +134,9 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
 
     # 5. Topology, plan, groups.
-    from ..reducer.groups import build_groups, discover_plan
-    from ..reducer.replicas import all_dp_layouts, broadcast_from_first
+    from ..reducer.plan.discover import discover_plan
+    from ..reducer.plan.groups import build_groups
+    from ..reducer.wire.replicas import all_dp_layouts, broadcast_from_first
 
     dp_ranks_all = None
     if mpu is not None:

@@ -25,9 +25,9 @@ import os
 import torch
 import torch.distributed as tdist
 
-from ..reducer.classes import LOCAL, SYNC
-from ..reducer.dispatch import CommBucket, Reduction
-from ..reducer.importance import Importance
+from ..reducer.classes.classes import LOCAL, SYNC
+from ..reducer.classes.importance import Importance
+from ..reducer.schedule.dispatch import CommBucket, Reduction
 
 __all__ = ["TopoAlignEngineMixin", "STATE_FILE"]
 

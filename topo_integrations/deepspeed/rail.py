@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as tdist
 
-from ..reducer.classes import SYNC
-from ..reducer.dispatch import Collective, CommBucket
-from ..reducer.ranges import put, take
+from ..reducer.classes.classes import SYNC
+from ..reducer.schedule.dispatch import Collective, CommBucket
+from ..reducer.schedule.ranges import put, take
 
 __all__ = ["RailPlan", "SyncRail", "RailMismatchError", "build_plan", "flat_offsets"]
 

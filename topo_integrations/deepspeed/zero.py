@@ -31,9 +31,9 @@ import math
 import torch
 import torch.distributed as tdist
 
-from ..reducer.classes import SYNC
-from ..reducer.dispatch import Collective, CommBucket, Reduction
-from ..reducer.reconcile import ReconcileItem, is_second_moment
+from ..reducer.classes.classes import SYNC
+from ..reducer.reconcile.reconcile import ReconcileItem, is_second_moment
+from ..reducer.schedule.dispatch import Collective, CommBucket, Reduction
 from .rail import SyncRail, flat_offsets
 
 __all__ = ["HierarchicalZeroMixin", "SelectiveZeroMixin", "HierarchicalStage3Mixin", "PartitionSource",
@@ -212,7 +212,7 @@ class PartitionSource:
                     out.append(ReconcileItem(f"{i}:{name}:{a}:{k}", v.view(-1)[a:b], shard=True,
                                              nonneg=is_second_moment(k), state=True))
         # The drift of a tensor is agreed over all ranks with the same names everywhere
-        # (reducer/drift.py): a LOCAL tensor outside this rank's partition contributes an empty slice.
+        # (reducer/classes/drift.py): a LOCAL tensor outside this rank's partition contributes an empty slice.
         dev = opt.topo_align.engine.device
         out += [ReconcileItem(f"absent:{n}", torch.zeros(0, device=dev), shard=True, param=n)
                 for n in local if n not in held]

@@ -4,7 +4,7 @@ Megatron keeps its contiguous gradient buffers, ``param.main_grad`` views, backw
 first-batch logic; only the two methods that issue the gradient collectives are replaced
 (``start_grad_sync`` / ``finish_grad_sync``, the contract of megatron-core 0.16's
 ``_ParamAndGradBucketGroup``, docs/megatron.md). Each bucket is handed to the engine's dispatcher
-(topo_integrations/reducer/dispatch.py) as one `CommBucket` per class, with a key that is stable per
+(topo_integrations/reducer/schedule/dispatch.py) as one `CommBucket` per class, with a key that is stable per
 bucket and class; wire dtypes, error feedback, levels, order and timing are the dispatcher's.
 
 Element ranges per class come from ``buffer.param_index_map`` (buffer-absolute offsets in the
@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from megatron.core.distributed import param_and_grad_buffer as _pgb
 
-from ..reducer.classes import LOCAL, SYNC
-from ..reducer.dispatch import Collective, CommBucket, Reduction
-from ..reducer.ranges import Ranges, merge_spans
-from ..reducer.ranges import clip as clip_ranges
+from ..reducer.classes.classes import LOCAL, SYNC
+from ..reducer.schedule.dispatch import Collective, CommBucket, Reduction
+from ..reducer.schedule.ranges import Ranges, merge_spans
+from ..reducer.schedule.ranges import clip as clip_ranges
 
 __all__ = ["TopoBucketGroup", "StepRelease", "Ranges", "class_ranges", "clip_ranges"]
 

@@ -5,7 +5,7 @@ param) buffers, ``param.main_grad`` views, the backward hooks that dispatch a bu
 backward, ``no_sync``, the first-batch logic, ``force_all_reduce``, the parameter all-gather of the
 distributed optimizer and the optimizer's shard ranges. Megatron's bucket groups get their class
 swapped to `TopoBucketGroup` (bucket_group.py), whose collectives go through the shared selective
-`Engine` (topo_integrations/reducer/engine.py): one engine per set of topology groups (the dense
+`Engine` (topo_integrations/reducer/engine/engine.py): one engine per set of topology groups (the dense
 data-parallel group and, when it is another set of ranks, the expert one). The engine owns the
 policy (classes, importance, drift promotion, adaptive levels), the wire (error feedback, device
 checks, statistics), reconciliation (blocking or asynchronous, through its dispatcher) and the state.
@@ -36,9 +36,9 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
 from ..config import TopoAlignConfig
-from ..reducer.classes import SYNC, layer_indices
-from ..reducer.engine import Engine
-from ..reducer.groups import ReducerGroups
+from ..reducer.classes.classes import SYNC, layer_indices
+from ..reducer.engine.engine import Engine
+from ..reducer.plan.groups import ReducerGroups
 from .bucket_group import StepRelease, TopoBucketGroup
 from .compat import CORE_BUILT, check_built, check_core
 from .groups import GroupSet, LayoutError, groups_for_dp_group

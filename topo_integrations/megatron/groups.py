@@ -20,8 +20,10 @@ import json
 import torch.distributed as dist
 
 from ..config import TopoAlignConfig
-from ..reducer.groups import ReducerGroups, broadcast_plan, build_groups, discover_plan
-from ..reducer.replicas import all_dp_layouts
+from ..reducer.plan.discover import discover_plan
+from ..reducer.plan.groups import ReducerGroups, build_groups
+from ..reducer.plan.planning import broadcast_plan
+from ..reducer.wire.replicas import all_dp_layouts
 
 __all__ = ["groups_for_dp_group", "GroupSet", "LayoutError"]
 
@@ -37,7 +39,7 @@ class GroupSet:
         return list(self.built.values())
 
     def share_schedule(self, groups: ReducerGroups) -> None:
-        """One schedule per process (reducer/schedule.py): ``groups`` (e.g. the expert data-parallel
+        """One schedule per process (reducer/schedule/schedule.py): ``groups`` (e.g. the expert data-parallel
         groups) issue through the schedule the other groups of this set already use, so every engine
         of the model (chunks, expert engine) runs one issuing order, one trace and one watch."""
         if getattr(groups, "schedule", None) is not None:

@@ -3,7 +3,7 @@
 Megatron's ``TransformerLayer.layer_number`` is 1-based and global across pipeline stages, so "the
 last N layers" means the last N of the whole model on every stage; `TopoAlignDDP` passes these
 indices with ``num_layers = config.num_layers`` to the engine, which classifies
-(topo_integrations/reducer/classes.py). With ``sync.layer_pattern`` the indices come from the names
+(topo_integrations/reducer/classes/classes.py). With ``sync.layer_pattern`` the indices come from the names
 instead (the engine's `layer_indices`).
 """
 

@@ -119,7 +119,7 @@ def derive_layout(args: Any, cfg: TopoAlignConfig | None, *, model_parallel_size
                      "world; keeping %d (set it to the number of topology groups one data-parallel group spans)",
                      model_parallel_size, getattr(args, INSTANCES))
         return
-    from ..reducer.groups import discover_plan
+    from ..reducer.plan.discover import discover_plan
 
     # The same plan TopoAlignDDP makes later for a data-parallel group that is the whole world.
     value, line = choose_instances(None, discover_plan(cfg))

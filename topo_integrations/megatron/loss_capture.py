@@ -1,5 +1,5 @@
 """The model's own loss as a closure, for ``importance.method = "hutchinson"`` (the engine
-differentiates it twice at a class refresh, topo_integrations/reducer/importance.py).
+differentiates it twice at a class refresh, topo_integrations/reducer/classes/importance.py).
 
 Megatron's schedules own the training loop, so no loss closure is handed to the plugin. But
 ``GPTModel.forward(..., labels=labels)`` returns the per-token losses: a forward pre-hook on the

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..reducer.engine import ReconcileItem
+from ..reducer.engine.engine import ReconcileItem
 from .compat import OPTIMIZER_BUILT, check_built
 
 __all__ = ["prepare_optimizer", "prepare_checkpoint", "MegatronReconcileSource", "sub_optimizers",

@@ -176,7 +176,7 @@ class ReleaseProbe:
     """When each gradient collective of a `TopoAlignDDP` was submitted, released and issued,
     relative to the moment Megatron's ``finish_grad_sync`` began (the end of backward).
 
-    Wraps the process schedule's ``item`` and ``release`` (reducer/schedule.py) and the DDP's
+    Wraps the process schedule's ``item`` and ``release`` (reducer/schedule/schedule.py) and the DDP's
     ``finish_grad_sync`` on these instances only. Call `start` before an iteration and `step` after
     it: per class, how many items were released (handed to the issuing thread, a position in the
     program) and started (a time) before backward ended, and the tail from the end of backward to

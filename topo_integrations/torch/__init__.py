@@ -6,7 +6,7 @@
   consistency.py  ConsistencyError and the replica check both use
 
 Like the DeepSpeed and Megatron adapters they only map their buffers to the engine's buckets
-(reducer/dispatch.py); every collective is the engine's. Inside this package ``import torch`` is
+(reducer/schedule/dispatch.py); every collective is the engine's. Inside this package ``import torch`` is
 still PyTorch (absolute imports).
 """
 

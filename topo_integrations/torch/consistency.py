@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..reducer.classes import SYNC
-from ..reducer.replicas import gather_dp
+from ..reducer.classes.classes import SYNC
+from ..reducer.wire.replicas import gather_dp
 
 __all__ = ["ConsistencyError", "fingerprint", "verify_replicas"]
 

@@ -14,7 +14,7 @@ the first iteration (the order gradients became ready), and the engine may chang
 reconciliation; when the layout of an index changes, the LOCAL error-feedback residuals follow their
 parameters into the new buckets (``_relayout``).
 
-Release points (reducer/dispatch.py) follow DDP's own order, the same on every rank: DDP calls the
+Release points (reducer/schedule/dispatch.py) follow DDP's own order, the same on every rank: DDP calls the
 hook for bucket 0, 1, ... in index order. SYNC ranges are released when submitted; on the last bucket
 (``bucket.is_last()``) the hook says ``sync_done`` (the held LOCAL ranges of every bucket go) and then
 ``all_submitted`` (a held asynchronous reconciliation goes), so nothing is held when DDP waits on the
@@ -36,14 +36,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TopoAlignConfig
-from ..reducer.classes import LOCAL, SYNC, layer_indices
-from ..reducer.compression import fold_owner_residual, hop_residual_numel
-from ..reducer.dispatch import CommBucket
-from ..reducer.engine import Engine
-from ..reducer.groups import ReducerGroups
-from ..reducer.importance import Importance
+from ..reducer.classes.classes import LOCAL, SYNC, layer_indices
+from ..reducer.classes.importance import Importance
+from ..reducer.engine.engine import Engine
 from ..reducer.kinds import Cls
-from ..reducer.ranges import merge_spans, total
+from ..reducer.plan.groups import ReducerGroups
+from ..reducer.schedule.dispatch import CommBucket
+from ..reducer.schedule.ranges import merge_spans, total
+from ..reducer.wire.compression import fold_owner_residual, hop_residual_numel
 from ..topology import Plan
 from .consistency import verify_replicas
 from .reducer import check_config, topology_groups, trainable_parameters

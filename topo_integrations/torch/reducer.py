@@ -26,7 +26,7 @@ the group, reconciliation). A plan with one tier falls back to `flat` (logged on
 The policy (classes, importance, drift, reconciliation schedule, adaptive levels, state) and every
 collective live in the shared :class:`~topo_integrations.reducer.engine.Engine` that the DeepSpeed
 and Megatron adapters use too; this class adds what a bare ``nn.Module`` needs: buckets filled from
-post-accumulate-grad hooks, parameter broadcast (reducer/replicas.py), and the consistency check.
+post-accumulate-grad hooks, parameter broadcast (reducer/wire/replicas.py), and the consistency check.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ import torch
 import torch.nn as nn
 
 from ..config import TopoAlignConfig
-from ..reducer.classes import LOCAL, SYNC, layer_indices
-from ..reducer.dispatch import CommBucket
-from ..reducer.engine import Engine
-from ..reducer.groups import ReducerGroups, build_groups, discover_plan
-from ..reducer.importance import Importance
-from ..reducer.replicas import broadcast_from_first
+from ..reducer.classes.classes import LOCAL, SYNC, layer_indices
+from ..reducer.classes.importance import Importance
+from ..reducer.engine.engine import Engine
+from ..reducer.plan.discover import discover_plan
+from ..reducer.plan.groups import ReducerGroups, build_groups
+from ..reducer.schedule.dispatch import CommBucket
+from ..reducer.wire.replicas import broadcast_from_first
 from ..topology import Plan
 from .buckets import Bucket, build_buckets
 from .consistency import ConsistencyError, verify_replicas

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..reducer.engine import ParamReconcileSource
-from ..reducer.groups import ReducerGroups
+from ..reducer.engine.engine import ParamReconcileSource
+from ..reducer.plan.groups import ReducerGroups
 
 __all__ = ["EngineView"]
 

@@ -169,7 +169,7 @@ def topo_block(args: argparse.Namespace, *, base: TopoAlignConfig | None = None,
         if not args.topo_align_config:
             # A LOCAL-class default (e.g. the tiny preset's last_n_layers 1) only where a LOCAL class
             # can exist: with every tensor SYNC (`auto` from 2 groups) it would be a key set for
-            # nothing, which the engine refuses (reducer/auto_sync.py).
+            # nothing, which the engine refuses (reducer/classes/auto_sync.py).
             ours = {**(defaults or {}), **PRESET_BLOCK_DEFAULTS.get(args.model, {})}
             top = user.get("sync.top_fraction", cfg.sync.top_fraction)
             overrides.update({k: v for k, v in local_class_defaults(ours, top).items() if k not in explicit})
@@ -245,7 +245,7 @@ def init_distributed(args: argparse.Namespace, *, init_fn=None) -> tuple[int, in
             dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.virtual_nodes:
-        from ..reducer.groups import HOSTNAME_ENV
+        from ..reducer.plan.planning import HOSTNAME_ENV
 
         os.environ[HOSTNAME_ENV] = virtual_hostname(rank, world, args.virtual_nodes)
     return rank, world, backend

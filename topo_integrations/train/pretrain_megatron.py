@@ -305,7 +305,7 @@ def run_megatron_lm(args: argparse.Namespace, rest: list[str]) -> int:
         nodes = int(rest[i + 1]) if i + 1 < len(rest) and rest[i + 1].isdigit() else 0
         del rest[i:i + 2]
         if nodes:
-            from ..reducer.groups import HOSTNAME_ENV
+            from ..reducer.plan.planning import HOSTNAME_ENV
 
             os.environ[HOSTNAME_ENV] = common.virtual_hostname(
                 int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), nodes)

@@ -19,14 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import TopoAlignConfig
-from ..topology import PlanError, TopologyError
-from ..topology.discovered import probe_groups, topology_from_facts, with_measured
-from ..topology.facts import NodeFacts, collect_node_facts
-from ..topology.model import Topology, TopologyTimeout
-from ..topology.report import format_topology
+from ...config import TopoAlignConfig
+from ...topology import Plan, PlanError, TopologyError
+from ...topology.discovered import probe_groups, topology_from_facts, with_measured
+from ...topology.facts import NodeFacts, collect_node_facts
+from ...topology.model import Topology, TopologyTimeout
+from ...topology.report import format_topology
+from .planning import broadcast_plan, load_configured_topology, local_hostname, plan_for, unwrap_plan
 
-__all__ = ["discover_auto", "gather_facts", "probe_tiers", "PROBE_BYTES", "PROBE_ITERS"]
+__all__ = ["discover_auto", "discover_plan", "gather_facts", "probe_tiers", "PROBE_BYTES", "PROBE_ITERS"]
 
 log = logging.getLogger("topo_align")
 
@@ -202,7 +203,7 @@ def _error(exc: Exception) -> tuple[str, str, str]:
 
 def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[Any, int]:
     """The `auto` discovery (module docstring) up to the plan: returns ``(plan or error payload, src)``
-    for `groups.broadcast_plan`-style delivery; only the first DP rank holds a plan."""
+    for `planning.broadcast_plan`-style delivery; only the first DP rank holds a plan."""
     src = dp_ranks[0]
     facts = gather_facts(dp_ranks, dp_group, cfg.fallback.timeout_s)
     topo: Topology | None = None
@@ -226,11 +227,56 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
         log.warning("topo_align: %s", w)
     log.info("topo_align: discovered topology\n%s", format_topology(topo))
     try:
-        from .groups import plan_for
-
         plan: Any = plan_for(cfg, topo)
     except (TopologyError, ValueError) as exc:
         return _error(exc), src
     log.info("topo_align: plan: %s -- %s", "hierarchical" if plan.hierarchical else "one flat all-reduce",
              plan.reason)
     return plan, src
+
+
+def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp_group=None) -> Plan:
+    """Topology per ``cfg.topology``, planned on the first DP rank and broadcast to the group.
+
+    Phases:
+      0. `auto`: reducer/plan/discover.py gathers every rank's node facts (bounded by fallback.timeout_s),
+         probes the tiers when `topology.probe`, plans on the first DP rank; then phase 3;
+      1. (`hostnames` only) `all_gather_object` of each rank's hostname over the DP group
+         (``$TOPO_ALIGN_HOSTNAME`` overrides it);
+      2. the first DP rank loads the topology (file / source) and plans it; any error is caught;
+      3. `broadcast_object_list` of the plan (or the error) over the DP group; every rank returns
+         the same plan or raises the same error.
+    ``dp_group`` must be given when ``dp_ranks`` is not the whole world.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("topo_align: discover_plan needs torch.distributed to be initialised")
+    world = dist.get_world_size()
+    dp_ranks = list(dp_ranks) if dp_ranks is not None else list(range(world))
+    if dp_group is None and dp_ranks != list(range(world)):
+        raise ValueError(f"topo_align: dp_ranks = {dp_ranks!r} is not the whole world; pass dp_group too")
+    if cfg.topology.source == "auto":  # reducer/plan/discover.py: node facts, optional probe, plan
+        result, src = discover_auto(cfg, dp_ranks, dp_group)
+        if isinstance(result, tuple):
+            payload = [result]
+            dist.broadcast_object_list(payload, src=src, group=dp_group)
+            return unwrap_plan(payload[0])
+        return broadcast_plan(result, dp_group, src=src)
+    hosts = None
+    if cfg.topology.source == "hostnames":
+        gathered = [None] * len(dp_ranks)
+        dist.all_gather_object(gathered, local_hostname(), group=dp_group)
+        # all_gather orders by group rank (ascending global rank); the plan indexes DP positions
+        by_rank = dict(zip(sorted(dp_ranks), gathered))
+        hosts = [by_rank[r] for r in dp_ranks]
+    src = dp_ranks[0]
+    result: Any = None
+    if dist.get_rank() == src:
+        try:
+            topo = load_configured_topology(cfg, hosts, len(dp_ranks))
+            result = plan_for(cfg, topo)
+        except (TopologyError, ValueError) as exc:
+            kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
+            payload = [("error", kind, str(exc))]
+            dist.broadcast_object_list(payload, src=src, group=dp_group)
+            return unwrap_plan(payload[0])
+    return broadcast_plan(result, dp_group, src=src, timeout_s=cfg.fallback.timeout_s)

@@ -8,8 +8,8 @@ import logging
 
 import torch.distributed as dist
 
-from .classes import SYNC
-from .compression import wire_dtype
+from ..classes.classes import SYNC
+from ..wire.compression import wire_dtype
 
 __all__ = ["estimate_step_comm_s", "choose_plan", "regroup"]
 
@@ -52,7 +52,7 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
     Only an engine whose data-parallel group is the whole world can be regrouped here.
     ``engine`` may be a GroupedReducer (its engine is used).
     """
-    from .groups import broadcast_plan, build_groups
+    from ..plan.groups import broadcast_plan, build_groups
 
     engine = getattr(engine, "engine", engine)
     g = engine.groups

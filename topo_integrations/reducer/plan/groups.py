@@ -20,23 +20,15 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from ..config import TopoAlignConfig
-from ..topology import Plan, PlanError, Topology, TopologyError, plan_groups
-from ..topology.machine import HOSTNAME_ENV
-from ..topology.model import DEFAULT_TIERS, RankPlace
-from .collectives import bounded
-from .completion import backstop_timeout_s, completion_kind
+from ...topology import Plan
+from ..watch.completion import backstop_timeout_s, completion_kind
 
-__all__ = ["ReducerGroups", "SYNC_KINDS", "group_options",
-           "build_groups", "broadcast_plan", "discover_plan", "gather_hostnames_topology",
-           "HOSTNAME_ENV"]
+__all__ = ["ReducerGroups", "SYNC_KINDS", "group_options", "build_groups"]
 
 log = logging.getLogger("topo_align")
 
@@ -295,152 +287,3 @@ def _chunks_line_up(plan: Plan, dp_ranks_all: list[list[int]]) -> bool:
             if len({where[dp[p]] for p in g}) != 1:
                 return False
     return True
-
-
-def broadcast_plan(plan: Plan | None, group=None, *, src: int | None = None,
-                   timeout_s: float | None = None) -> Plan:
-    """Rank ``src`` (default: the group's first rank) sends its plan; every rank returns it.
-
-    A planning failure on the source rank travels as an error, so the other ranks raise the same
-    :class:`PlanError` instead of waiting forever in the broadcast.
-    Communication: one `broadcast_object_list` over ``group``, bounded by ``timeout_s``
-    (``fallback.timeout_s``: the group may be the default one, whose timeout is not ours).
-    """
-    if src is None:
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-    payload: list[Any] = [None]
-    if dist.get_rank() == src:
-        payload[0] = ("ok", plan.dumps()) if isinstance(plan, Plan) else ("error", "PlanError", str(plan))
-    bounded("broadcast_object_list(plan) over the data-parallel group", timeout_s,
-            lambda: dist.broadcast_object_list(payload, src=src, group=group))
-    return _unwrap(payload[0])
-
-
-def _unwrap(msg) -> Plan:
-    import json
-
-    if msg[0] == "ok":
-        return Plan.from_json(json.loads(msg[1]))
-    kind, text = msg[1], msg[2]
-    if kind == "TopologyError":
-        raise TopologyError(text)
-    if kind == "PlanError":
-        raise PlanError(text)
-    raise ValueError(text)
-
-
-def _hostname() -> str:
-    return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
-
-
-def gather_hostnames_topology(hosts: list[str], *, name: str = "gathered-hostnames") -> Topology:
-    """Topology of ranks whose hostnames are ``hosts`` (index = DP position); islands = hosts.
-
-    Ranks of one host need not be consecutive: the groups are whatever the hostnames say.
-    """
-    places = []
-    seen: dict[str, int] = {}
-    for r, h in enumerate(hosts):
-        lr = seen.get(h, 0)
-        seen[h] = lr + 1
-        places.append(RankPlace(r, h, lr, h, "leaf0"))
-    return Topology(tuple(places), dict(DEFAULT_TIERS), name=name, source="hostnames")
-
-
-def _load_topology(cfg: TopoAlignConfig, hosts: list[str] | None, dp_size: int) -> Topology:
-    kind = cfg.topology.source
-    if kind == "hostnames":
-        return gather_hostnames_topology(hosts or [])
-    if kind == "file":
-        from ..topology import load_topology_file
-
-        topo = load_topology_file(cfg.topology.file)
-    else:
-        try:
-            from ..topology.sources import load_source  # written by the topology-sources engineer
-        except ImportError:
-            raise TopologyError(
-                f"topology.source = {kind!r}: this build has no loader for it "
-                "(topo_integrations.topology.sources is missing); use 'file', 'auto' or 'hostnames'"
-            ) from None
-        topo = load_source(kind, cfg.topology.file)
-    if topo.world_size != dp_size:
-        raise TopologyError(
-            f"{topo.source}: the topology has {topo.world_size} ranks but the data-parallel group has "
-            f"{dp_size}; describe exactly the ranks of one data-parallel group"
-        )
-    return topo
-
-
-def require_middle_level(cfg: TopoAlignConfig, plan: Plan) -> None:
-    """Asked for three levels (``topology.middle_level``) and the topology cannot give them: refuse
-    rather than run two (ValueError naming the key and the source)."""
-    if cfg.topology.middle_level and plan.hierarchical and not plan.middle_level:
-        why = "; ".join(n.split(": using 2 levels")[0] for n in plan.notes if "middle_level" in n) \
-            or "no leaf tier"
-        raise ValueError(
-            f"topology.middle_level = true cannot be honoured with topology.source = "
-            f"{cfg.topology.source!r} ({why}); give a topology with leaf switches (e.g. source 'file' "
-            "or 'slurm') or remove the key")
-
-
-def plan_for(cfg: TopoAlignConfig, topo: Topology) -> Plan:
-    """The plan of ``topo`` for this config (group_by, min_tier_ratio, middle_level, mode), with a
-    middle level that cannot be honoured refused (`require_middle_level`). Logged once (INFO): a
-    `selective` plan on groups of one rank (LOCAL tensors cross no link between reconciliations)."""
-    plan = plan_groups(topo, group_by=cfg.topology.group_by, min_tier_ratio=cfg.topology.min_tier_ratio,
-                       middle_level=cfg.topology.middle_level, mode=cfg.mode)
-    require_middle_level(cfg, plan)
-    if plan.hierarchical and plan.group_size == 1:
-        for note in plan.notes:
-            log.info("topo_align: %s", note)
-    return plan
-
-
-def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp_group=None) -> Plan:
-    """Topology per ``cfg.topology``, planned on the first DP rank and broadcast to the group.
-
-    Phases:
-      0. `auto`: reducer/discover.py gathers every rank's node facts (bounded by fallback.timeout_s),
-         probes the tiers when `topology.probe`, plans on the first DP rank; then phase 3;
-      1. (`hostnames` only) `all_gather_object` of each rank's hostname over the DP group
-         (``$TOPO_ALIGN_HOSTNAME`` overrides it);
-      2. the first DP rank loads the topology (file / source) and plans it; any error is caught;
-      3. `broadcast_object_list` of the plan (or the error) over the DP group; every rank returns
-         the same plan or raises the same error.
-    ``dp_group`` must be given when ``dp_ranks`` is not the whole world.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("topo_align: discover_plan needs torch.distributed to be initialised")
-    world = dist.get_world_size()
-    dp_ranks = list(dp_ranks) if dp_ranks is not None else list(range(world))
-    if dp_group is None and dp_ranks != list(range(world)):
-        raise ValueError(f"topo_align: dp_ranks = {dp_ranks!r} is not the whole world; pass dp_group too")
-    if cfg.topology.source == "auto":  # reducer/discover.py: node facts, optional probe, plan
-        from .discover import discover_auto
-
-        result, src = discover_auto(cfg, dp_ranks, dp_group)
-        if isinstance(result, tuple):
-            payload = [result]
-            dist.broadcast_object_list(payload, src=src, group=dp_group)
-            return _unwrap(payload[0])
-        return broadcast_plan(result, dp_group, src=src)
-    hosts = None
-    if cfg.topology.source == "hostnames":
-        gathered = [None] * len(dp_ranks)
-        dist.all_gather_object(gathered, _hostname(), group=dp_group)
-        # all_gather orders by group rank (ascending global rank); the plan indexes DP positions
-        by_rank = dict(zip(sorted(dp_ranks), gathered))
-        hosts = [by_rank[r] for r in dp_ranks]
-    src = dp_ranks[0]
-    result: Any = None
-    if dist.get_rank() == src:
-        try:
-            topo = _load_topology(cfg, hosts, len(dp_ranks))
-            result = plan_for(cfg, topo)
-        except (TopologyError, ValueError) as exc:
-            kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
-            payload = [("error", kind, str(exc))]
-            dist.broadcast_object_list(payload, src=src, group=dp_group)
-            return _unwrap(payload[0])
-    return broadcast_plan(result, dp_group, src=src, timeout_s=cfg.fallback.timeout_s)

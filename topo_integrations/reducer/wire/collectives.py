@@ -19,21 +19,19 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
+from ..watch.bounded import bounded
+from ..watch.errors import CollectiveError
 from .compression import hop_residual_numel, is_lossy, is_narrow
 from .compression import wire_dtype as _as_dtype
 
 if TYPE_CHECKING:  # groups.py imports this module (bounded)
-    from .groups import ReducerGroups
+    from ..plan.groups import ReducerGroups
 
 __all__ = ["CollectiveError", "flat_all_reduce", "hierarchical_all_reduce", "intra_all_reduce",
            "reconcile_average", "reduce_scatter", "agree_scalar", "padded_numel", "run", "hop", "check_device",
            "rail_all_reduce", "rail_numel", "residual_numel", "hop_residual_numel", "rail_reduce_scatter", "bounded"]
 
 Record = Callable[[str, int, float], None] | None
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the reducer failed or timed out; the message names op, group and ranks."""
 
 
 # torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor in favour of
@@ -133,34 +131,6 @@ def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: R
         else:
             record(tier, nbytes, time.perf_counter() - t0)
     return out
-
-
-def bounded(what: str, timeout_s: float | None, fn):
-    """Run the blocking collective ``fn()`` (one on a group without a timeout of its own, e.g. the
-    default group during discovery) and raise :class:`CollectiveError` naming ``what`` when it has
-    not returned after ``timeout_s`` (``fallback.timeout_s``). The call keeps waiting in a daemon
-    thread: the error is for the caller, who must end the process (the communicator is unusable)."""
-    if not timeout_s:
-        return fn()
-    import threading
-
-    box: dict = {}
-
-    def target():
-        try:
-            box["out"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - delivered to the caller
-            box["err"] = exc
-
-    th = threading.Thread(target=target, name="topo_align_bounded", daemon=True)
-    th.start()
-    th.join(timeout_s)
-    if th.is_alive():
-        raise CollectiveError(f"topo_align: {what} did not complete within fallback.timeout_s = {timeout_s:g}s "
-                              "(a rank did not call it, or a link is down)")
-    if "err" in box:
-        raise box["err"]
-    return box.get("out")
 
 
 def check_device(t: torch.Tensor, groups: ReducerGroups, what: str) -> None:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..config import ConfigError, TopoAlignConfig
+from ...config import ConfigError, TopoAlignConfig
 from .classes import LOCAL, SYNC, classify
 from .drift import DriftMonitor
 from .importance import Importance

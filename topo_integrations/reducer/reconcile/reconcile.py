@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .classes import LOCAL, SYNC
+from ..classes.classes import LOCAL, SYNC
 
 log = logging.getLogger("topo_align")
 

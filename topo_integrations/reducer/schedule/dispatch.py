@@ -44,8 +44,8 @@ from typing import Any, Callable
 
 import torch
 
-from .collectives import CollectiveError
-from .kinds import Cls, Mode, Traffic
+from ..kinds import Cls, Mode, Traffic
+from ..watch.errors import CollectiveError
 from .order import CollectiveOrderError, compare
 from .recipes import Collective, CommBucket, Reduction, recipe
 from .schedule import Item, Schedule
@@ -297,7 +297,7 @@ class Dispatcher:
         import torch.distributed as dist
 
         gathered: list = [None] * g.dp_size
-        from .collectives import bounded
+        from ..watch.bounded import bounded
 
         bounded(f"all_gather_object(collective fingerprints, step {step})", self.timeout_s,
                 lambda: dist.all_gather_object(gathered, (dist.get_rank(), mine), group=g.dp_group))

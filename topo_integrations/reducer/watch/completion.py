@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .collectives import CollectiveError
+from .errors import CollectiveError
 
 __all__ = ["InFlight", "Watch", "StreamDouble", "DEFERRED_ENV", "completion_kind", "backstop_timeout_s"]
 

@@ -10,7 +10,7 @@ line that says what `auto` became.
 
 from __future__ import annotations
 
-from ..config import LOCAL_CLASS_KEYS, MANY_GROUPS, ConfigError, TopoAlignConfig, resolve_bucket_mb, resolve_sync
+from ...config import LOCAL_CLASS_KEYS, MANY_GROUPS, ConfigError, TopoAlignConfig, resolve_bucket_mb, resolve_sync
 
 __all__ = ["resolved_config"]
 

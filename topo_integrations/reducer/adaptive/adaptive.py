@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..config import AdaptiveConfig
-from .classes import SYNC
-from .collectives import run
+from ...config import AdaptiveConfig
+from ..classes.classes import SYNC
+from ..wire.collectives import run
 from .regroup import choose_plan, regroup
 
 __all__ = ["AdaptiveController", "AdaptivePolicy", "Measurement", "LEVELS"]
@@ -370,9 +370,9 @@ class AdaptiveController:
         plan with `flat` (a ring at the slowest tier's bandwidth) and `transposed` (the rails become
         the groups and the groups the rails: wins when the intra tier is the congested one, e.g. a
         degraded island link). Both are measured by the same probe, no other groups are built."""
-        from ..topology import plan_groups
-        from .groups import gather_hostnames_topology
-        from .health import probe_groups, tier_gbps
+        from ...topology import plan_groups
+        from ..plan.groups import gather_hostnames_topology
+        from ..wire.health import probe_groups, tier_gbps
 
         r = self.engine
         r.drain()

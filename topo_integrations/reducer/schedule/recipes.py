@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .kinds import Cls, Mode, Traffic
+from ..kinds import Cls, Mode, Traffic
 from .ranges import Ranges, clip, put, take
 
 __all__ = ["Collective", "Reduction", "CommBucket", "recipe"]

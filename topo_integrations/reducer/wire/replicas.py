@@ -16,7 +16,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from .collectives import bounded, run
+from ..watch.bounded import bounded
+from .collectives import run
 
 __all__ = ["broadcast_from_first", "gather_dp", "all_dp_layouts"]
 

@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from .collectives import CollectiveError
-from .completion import StreamDouble, Watch, completion_kind
-from .kinds import Traffic
+from ..kinds import Traffic
+from ..watch.completion import StreamDouble, Watch, completion_kind
+from ..watch.errors import CollectiveError
 from .order import Trace
 
 __all__ = ["Schedule", "Item"]

@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..plan.groups import ReducerGroups
 from .collectives import run
-from .groups import ReducerGroups
 
 __all__ = ["ProbeResult", "probe_groups", "tier_gbps", "start_check", "CHECK_KINDS"]
 

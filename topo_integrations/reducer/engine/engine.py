@@ -30,17 +30,14 @@ from typing import Callable
 
 import torch
 
-from ..config import TopoAlignConfig
-from .auto_sync import resolved_config
-from .classes import LOCAL, SYNC
-from .compression import wire_dtype
-from .dispatch import CommBucket, Dispatcher
-from .drift import DriftMonitor
-from .importance import Importance
-from .kinds import Cls, Mode, Traffic
-from .order import check_requested
-from .policy import ClassPolicy
-from .reconcile import (
+from ...config import TopoAlignConfig
+from ..classes.auto_sync import resolved_config
+from ..classes.classes import LOCAL, SYNC
+from ..classes.drift import DriftMonitor
+from ..classes.importance import Importance
+from ..classes.policy import ClassPolicy
+from ..kinds import Cls, Mode, Traffic
+from ..reconcile.reconcile import (
     ParamReconcileSource,
     PendingAverage,
     ReconcileItem,
@@ -48,8 +45,11 @@ from .reconcile import (
     ReconcileSource,
     due_fragment,
 )
+from ..schedule.dispatch import CommBucket, Dispatcher
+from ..schedule.order import check_requested
+from ..wire.compression import wire_dtype
+from ..wire.wire import Wire
 from .stats import Stats
-from .wire import Wire
 
 __all__ = ["Engine", "ReconcileItem", "ReconcileSource", "ParamReconcileSource", "ENGINE_STATE_FORMAT"]
 
@@ -129,7 +129,7 @@ class Engine(ReconcileMixin):
         """The adapter's reconcile source of the latest step (used by adaptive level changes)."""
         self.adaptive = None
         self._configure_dispatch()
-        from .health import start_check
+        from ..wire.health import start_check
 
         # Every adapter builds an engine: the start-of-run check runs once per engine, in the schedule.
         self.call(lambda: start_check(self.groups), "start-of-run check")()  # verified once landed
@@ -456,7 +456,7 @@ class Engine(ReconcileMixin):
 
     def enable_adaptive(self) -> None:
         """Start the adaptive controller (``adaptive.enabled``) over the levels this adapter supports."""
-        from .adaptive import AdaptiveController
+        from ..adaptive.adaptive import AdaptiveController
 
         self.adaptive = AdaptiveController(self, levels=self.levels)
 
