@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from .budget import not_below, time_to
+from .fmt import fmt_bytes
 from .presets import REFERENCE
 from .systems import averaging_period, torchft_period
 
@@ -135,8 +136,6 @@ def _bytes(key: str, e: dict, ok: dict, results: dict) -> dict:
     if a is None or b is None:
         return {"met": None, "detail": "not measured: " + ("post-local-sgd did not run" if pl is None
                                                            else "no byte counters")}
-    from .report import fmt_bytes
-
     return {"met": bool(a <= b), "detail": f"{fmt_bytes(a)} vs {fmt_bytes(b)} per step ({(a / b - 1) * 100:+.0f}%)"}
 
 
@@ -149,8 +148,6 @@ def _speed(key: str, e: dict, ok: dict, results: dict) -> dict:
 
 def long_md(results: dict) -> str:
     """The equal-budget table (one row per system) and the post-local SGD period line."""
-    from .report import fmt_bytes
-
     lg = results.get("long") or {}
     head = ["| system | time to flat quality | final val loss | vs flat | slow-tier bytes/step | steps in the budget "
             "| budget |", "|---|---|---|---|---|---|---|"]

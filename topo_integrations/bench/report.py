@@ -16,20 +16,12 @@ from typing import Sequence
 
 import numpy as np
 
+from .fmt import fmt_bytes
 from .systems import LOCALSGD_PERIOD
 
 __all__ = ["summarize", "markdown", "plot", "fmt_bytes", "REFERENCES"]
 
 REFERENCES = ("ds-zero0", "ddp", "megatron-ddp")
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _window(steps: int) -> int:

@@ -32,6 +32,7 @@ import weakref
 from typing import Mapping, Sequence
 
 from ..topology.model import Topology
+from . import runner
 from .counters import CounterSnapshot, snapshot
 from .layout import NODE_IFACE, Layout, NodeSpec, plan_layout
 from .netns import (
@@ -45,6 +46,7 @@ from .netns import (
     unavailable_reason,
     write_etc_file,
 )
+from .procs import kill_groups
 from .shaping import LinkShape, apply_shape, change_shape, netem_available
 
 __all__ = ["EmulatedCluster"]
@@ -230,10 +232,8 @@ class EmulatedCluster:
                port: int = 29500, **kwargs):
         """Run ``command`` on every rank (or, ``mode="torchrun"``, node) and supervise it; see
         runner.launch. Returns a ``RunResult`` (exit_code, elapsed_s, reason, codes)."""
-        from .runner import launch
-
         self._require_open()
-        return launch(self, command, mode=mode, timeout=timeout, port=port, **kwargs)
+        return runner.launch(self, command, mode=mode, timeout=timeout, port=port, **kwargs)
 
     def counters(self) -> CounterSnapshot:
         """Interface counters of every link now (see counters.py); subtract two with ``minus``."""
@@ -291,38 +291,5 @@ class EmulatedCluster:
             raise EmulationError(f"emulated cluster {self.layout.prefix} is not running (use it inside `with`)")
 
 
-def kill_groups(procs: Sequence[subprocess.Popen], grace_s: float = 3.0) -> None:
-    """SIGTERM the process groups of processes started with start_new_session=True, wait up to
-    ``grace_s`` for all of them together, then SIGKILL what is left. A group may outlive its leader
-    (torchrun's workers), so every group is signalled even when its leader is gone."""
-    import time
-
-    # Only leaders not yet reaped: a reaped leader's pid may belong to someone else by now. Their
-    # orphans, if any, are still inside our namespaces and die with them (netns.delete_namespace).
-    procs = [p for p in procs if p.poll() is None]
-    groups = [p.pid for p in procs]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pgid in groups:
-            try:
-                os.killpg(pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < deadline:
-            for p in procs:
-                p.poll()  # reap leaders, or they stay zombies and keep their group "alive"
-            if not any(_group_alive(g) for g in groups):
-                return
-            time.sleep(0.02)
-
-
 def _kill_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
     kill_groups([proc], grace_s)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False

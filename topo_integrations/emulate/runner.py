@@ -27,15 +27,32 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence, TextIO
+from typing import Mapping, Protocol, Sequence, TextIO
 
-from .cluster import EmulatedCluster, kill_groups
-from .layout import NODE_IFACE
+from ..topology.model import Topology
+from .layout import NODE_IFACE, Layout, NodeSpec
+from .procs import kill_groups
 
-__all__ = ["RunResult", "rank_env", "node_env", "launch", "MODES", "TIMEOUT_EXIT"]
+__all__ = ["Cluster", "RunResult", "rank_env", "node_env", "launch", "MODES", "TIMEOUT_EXIT"]
 
 MODES = ("per-rank", "torchrun")
 TIMEOUT_EXIT = 124
+
+
+class Cluster(Protocol):
+    """What a launch needs of its cluster: an ``EmulatedCluster`` (cluster.py, whose ``launch`` calls
+    this module's, so this module names the interface instead of importing the class)."""
+
+    topology: Topology
+    layout: Layout
+
+    @property
+    def nodes(self) -> tuple[NodeSpec, ...]: ...
+
+    def node(self, key: str | int) -> NodeSpec: ...
+
+    def popen(self, node: str | int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+              **kwargs) -> subprocess.Popen: ...
 
 
 @dataclass
@@ -47,7 +64,7 @@ class RunResult:
     codes: dict[str, int | None] = field(default_factory=dict)
 
 
-def _common_env(cluster: EmulatedCluster, node_index: int, port: int, base: dict[str, str]) -> dict[str, str]:
+def _common_env(cluster: Cluster, node_index: int, port: int, base: dict[str, str]) -> dict[str, str]:
     node = cluster.nodes[node_index]
     env = dict(base)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -68,14 +85,14 @@ def _common_env(cluster: EmulatedCluster, node_index: int, port: int, base: dict
     return env
 
 
-def node_env(cluster: EmulatedCluster, node_index: int, *, port: int = 29500,
+def node_env(cluster: Cluster, node_index: int, *, port: int = 29500,
              base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a per-node process (torchrun mode)."""
     return _common_env(cluster, node_index, port, dict(os.environ if base is None else base))
 
 
 def rank_env(
-    cluster: EmulatedCluster, rank: int, *, port: int = 29500, base: dict[str, str] | None = None
+    cluster: Cluster, rank: int, *, port: int = 29500, base: dict[str, str] | None = None
 ) -> dict[str, str]:
     """The environment of rank ``rank`` (per-rank mode)."""
     place = cluster.topology.ranks[rank]
@@ -93,7 +110,7 @@ def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
     stream.close()
 
 
-def launch(cluster: EmulatedCluster, command: Sequence[str], *, mode: str = "per-rank", timeout: float | None = None,
+def launch(cluster: Cluster, command: Sequence[str], *, mode: str = "per-rank", timeout: float | None = None,
            port: int = 29500, out: TextIO | None = None, prefix_output: bool = True) -> RunResult:
     """Run ``command`` on every rank (or node) of ``cluster``; see the module docstring."""
     if mode not in MODES:

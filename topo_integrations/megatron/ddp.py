@@ -181,7 +181,7 @@ class TopoAlignDDP(DistributedDataParallel):
         if source == "megatron-lm-args":
             # Built by Megatron-LM through the source patch (--ddp-impl): hook its optimizer and
             # checkpoint calls too, which the patch does not touch.
-            from .megatron_lm import install_runtime
+            from .runtime import install_runtime
 
             install_runtime()
         log.info("topo_align: TopoAlignDDP active, %s", self.topo_reason)

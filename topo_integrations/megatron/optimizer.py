@@ -22,7 +22,7 @@ import torch
 from ..reducer.engine.engine import ReconcileItem
 from .compat import OPTIMIZER_BUILT, check_built
 
-__all__ = ["prepare_optimizer", "prepare_checkpoint", "MegatronReconcileSource", "sub_optimizers",
+__all__ = ["prepare_optimizer", "prepare_checkpoint", "is_topo_chunk", "MegatronReconcileSource", "sub_optimizers",
            "make_grad_stats_global", "check_optimizer"]
 
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
@@ -144,6 +144,13 @@ def _chunks(model_chunks) -> list:
     return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
 
 
+def is_topo_chunk(m) -> bool:
+    """Whether ``m`` is a `TopoAlignDDP` chunk (ddp.py), asked of the object: ddp.py imports this
+    module, so this module does not import its class (every TopoAlignDDP sets ``topo_active`` in its
+    constructor and has the ``topo_*`` methods used here)."""
+    return hasattr(m, "topo_active") and callable(getattr(m, "topo_state_dict", None))
+
+
 def prepare_optimizer(optimizer, model_chunks) -> Any:
     """Make a Megatron optimizer agree with `TopoAlignDDP` chunks; returns the same optimizer.
 
@@ -156,9 +163,7 @@ def prepare_optimizer(optimizer, model_chunks) -> Any:
     Communication added: none per step beyond the stock norm all-reduce (it runs over the world
     instead of one instance); reconciliation as the engine schedules it.
     """
-    from .ddp import TopoAlignDDP
-
-    chunks = [m for m in _chunks(model_chunks) if isinstance(m, TopoAlignDDP) and m.topo_active]
+    chunks = [m for m in _chunks(model_chunks) if is_topo_chunk(m) and m.topo_active]
     if not chunks or getattr(optimizer, "_topo_prepared", False):
         return optimizer
     check_optimizer(optimizer)
@@ -181,11 +186,9 @@ def prepare_optimizer(optimizer, model_chunks) -> Any:
 def prepare_checkpoint(model_chunks, optimizer) -> list[dict]:
     """Reconcile every chunk, blocking (so a replica-0 checkpoint holds every parameter and the
     averaged moments), and return their plugin states (engine state included)."""
-    from .ddp import TopoAlignDDP
-
     out = []
     for m in _chunks(model_chunks):
-        if isinstance(m, TopoAlignDDP):
+        if is_topo_chunk(m):
             m.topo_reconcile(optimizer)
             out.append(m.topo_state_dict())
         else:

@@ -76,9 +76,8 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
     engine.reconfigure(groups=new, mode=mode, classes=classes, reconcile_interval=cfg.local.reconcile_interval,
                        sync_dtype=wire_dtype(cfg.sync.dtype if mode == "selective" else cfg.communication.inter_dtype))
     if ctrl is not None:
-        from .adaptive import AdaptiveController
-
-        fresh = AdaptiveController(engine, ctrl.cfg, levels=ctrl.allowed)
+        # The controller's own class (adaptive.py, which imports this module): no import back.
+        fresh = type(ctrl)(engine, ctrl.cfg, levels=ctrl.allowed)
         fresh.regroup_margin = ctrl.regroup_margin
         fresh.regroup_source = ctrl.regroup_source
         fresh.regroup_decisions = list(ctrl.regroup_decisions)

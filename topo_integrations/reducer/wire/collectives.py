@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from ..watch.bounded import bounded
 from ..watch.errors import CollectiveError
-from .compression import hop_residual_numel, is_lossy, is_narrow
+from .compression import hop_residual_numel, is_lossy, is_narrow, padded_numel
 from .compression import wire_dtype as _as_dtype
+from .lossy_wire import lossy_all_reduce, lossy_reduce_scatter
 
 if TYPE_CHECKING:  # groups.py imports this module (bounded)
     from ..plan.groups import ReducerGroups
@@ -70,11 +71,6 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, *, group) -> None:
         out.view(-1).copy_(recv.view(n, -1).float().sum(dim=0))
     else:
         torch.sum(recv.view(n, -1), dim=0, out=out.view(-1))
-
-
-def padded_numel(n: int, k: int) -> int:
-    """Smallest multiple of ``k`` that is >= ``n``."""
-    return -(-n // k) * k if k > 1 else n
 
 
 def run(op: str, tier: str, group, groups: ReducerGroups, nbytes: int, record: Record, fn, *,
@@ -182,9 +178,10 @@ def hop(x: torch.Tensor, wire: torch.dtype, residual, group, tier, groups, recor
     if n_contrib <= 1:
         return x
     if is_narrow(wire):
-        from .lossy_wire import lossy_all_reduce  # that module builds on this one's run()
-
-        x.copy_(lossy_all_reduce(x, wire, residual, group, tier, groups, record, n_contrib).view_as(x))
+        # this module's run and all-gather are handed in (lossy_wire.py sits below this module), read
+        # here at each call so that a test's spy on run / _all_gather sees the lossy hops too
+        x.copy_(lossy_all_reduce(x, wire, residual, group, tier, groups, record, n_contrib, run=run,
+                                 gather=all_gather_flat).view_as(x))
         return x
     w = x if wire == x.dtype else x.to(wire)  # widening (bf16 -> fp32): exact, no feedback needed
     run("all_reduce", tier, group, groups, w.numel() * w.element_size(), record,
@@ -386,9 +383,7 @@ def rail_reduce_scatter(out: torch.Tensor, x: torch.Tensor, groups: ReducerGroup
         raise ValueError("topo_align: rail_reduce_scatter has no int8 wire (ZeRO-3 runs 'hierarchical', whose "
                          "wire is communication.inter_dtype: fp32, bf16 or fp16)")
     if is_narrow(wire) and is_lossy(x.dtype, wire):
-        from .lossy_wire import lossy_reduce_scatter  # that module builds on this one's run()
-
-        return lossy_reduce_scatter(out, x, wire, residual, rail, groups, record, K)
+        return lossy_reduce_scatter(out, x, wire, residual, rail, groups, record, K, run=run)
     w = x if wire == x.dtype else x.to(wire)
     o = out if out.dtype == wire or is_narrow(wire) else torch.empty(out.numel(), dtype=wire, device=out.device)
     run("reduce_scatter", "inter", rail, groups, w.numel() * w.element_size(), record,

@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["DTYPE_BY_NAME", "INT8_BLOCK", "wire_dtype", "is_lossy", "is_narrow", "choose_scale", "quantize",
            "owner_unit", "owner_residual_numel", "hop_residual_numel",
-           "fold_owner_residual", "quantize_blocks", "dequantize_blocks"]
+           "fold_owner_residual", "quantize_blocks", "dequantize_blocks", "padded_numel"]
 
 DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 INT8_BLOCK = 256
@@ -151,3 +151,8 @@ def quantize_blocks(v: torch.Tensor, residual: torch.Tensor | None = None,
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
     """fp32 values of int8 blocks ``q`` with their scales."""
     return (q.reshape(-1, block).float() * scale[:, None]).reshape(-1)
+
+
+def padded_numel(n: int, k: int) -> int:
+    """Smallest multiple of ``k`` that is >= ``n``."""
+    return -(-n // k) * k if k > 1 else n

@@ -9,9 +9,9 @@ ring all-reduce of the same payload ((n-1)/n per phase, 2(n-1)/n in all). The re
 the owner's, so every member gets the same bits; error feedback keeps both roundings (the sender's in
 the first part of the residual, the owner's in the second), as for the int8 blocks.
 
-Its own module because the collectives module is at its size bound; it builds on that module's
-``run`` (named errors, byte records, the collective-order trace) and is called from its ``hop`` and
-``rail_reduce_scatter``.
+Its own module because the collectives module is at its size bound. It sits below collectives.py, which
+calls it from ``hop`` and ``rail_reduce_scatter`` and hands in its ``run`` (named errors, byte records,
+the collective-order trace) and its all-gather, so every hop here is issued the way all others are.
 """
 
 from __future__ import annotations
@@ -19,8 +19,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import collectives as C  # through the module: a test's spy on C.run sees these calls
-from .compression import INT8_BLOCK, choose_scale, dequantize_blocks, needs_scale, owner_unit, quantize, quantize_blocks
+from .compression import (
+    INT8_BLOCK,
+    choose_scale,
+    dequantize_blocks,
+    needs_scale,
+    owner_unit,
+    padded_numel,
+    quantize,
+    quantize_blocks,
+)
 
 __all__ = ["lossy_all_reduce", "lossy_reduce_scatter", "agree_scale"]
 
@@ -53,21 +61,22 @@ class _Int8Blocks:
         return dequantize_blocks(*parts)
 
 
-def agree_scale(v: torch.Tensor, wire: torch.dtype, group, tier: str, groups, record, n: int):
+def agree_scale(v: torch.Tensor, wire: torch.dtype, group, tier: str, groups, record, n: int, *, run):
     """fp16 only (None otherwise): one 4-byte MAX all-reduce of ``amax(v)`` -> the power of two that
-    keeps every value and the sum of ``n`` of them inside fp16's range (compression.choose_scale)."""
+    keeps every value and the sum of ``n`` of them inside fp16's range (compression.choose_scale). ``run``:
+    collectives.run, which issues it."""
     if not needs_scale(wire):
         return None
     amax = v.abs().max().reshape(1).float() if v.numel() else torch.zeros(1, device=v.device)
-    C.run("all_reduce(MAX amax)", tier, group, groups, 4, record,
-          lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group), like=amax)
+    run("all_reduce(MAX amax)", tier, group, groups, 4, record,
+        lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group), like=amax)
     return choose_scale(amax, wire, n)
 
 
-def _codec(v: torch.Tensor, wire: torch.dtype, group, tier: str, groups, record, n: int):
+def _codec(v: torch.Tensor, wire: torch.dtype, group, tier: str, groups, record, n: int, run):
     if wire == torch.int8:
         return _Int8Blocks()
-    return _Cast(wire, agree_scale(v, wire, group, tier, groups, record, n))
+    return _Cast(wire, agree_scale(v, wire, group, tier, groups, record, n, run=run))
 
 
 def _owner_sum(sent: tuple[torch.Tensor, ...], codec, group, n: int) -> torch.Tensor:
@@ -80,7 +89,7 @@ def _owner_sum(sent: tuple[torch.Tensor, ...], codec, group, n: int) -> torch.Te
 
 
 def lossy_all_reduce(x: torch.Tensor, wire: torch.dtype, residual, group, tier: str, groups, record,
-                     n: int) -> torch.Tensor:
+                     n: int, *, run, gather) -> torch.Tensor:
     """SUM over ``group`` (``n`` members) of ``x`` on a ``wire`` (bf16, fp16, int8) wire; returns the
     fp32 sum (``x.numel()`` elements), bitwise the same on every member.
 
@@ -93,9 +102,10 @@ def lossy_all_reduce(x: torch.Tensor, wire: torch.dtype, residual, group, tier: 
       4. quantise that sum once (its error goes back to the second part) and all-gather it
          ((n-1)/n of the payload per rank); decode.
     ``residual``: None or ``compression.owner_residual_numel(x.numel(), n, owner_unit(wire))`` fp32 elements.
+    ``run``, ``gather``: collectives.run and collectives.all_gather_flat, which issue the phases.
     """
     m = x.numel()
-    p = C.padded_numel(m, n * owner_unit(wire))
+    p = padded_numel(m, n * owner_unit(wire))
     buf = x.float().reshape(-1)
     if p != m:
         buf = torch.cat([buf, buf.new_zeros(p - m)])
@@ -105,36 +115,37 @@ def lossy_all_reduce(x: torch.Tensor, wire: torch.dtype, residual, group, tier: 
             raise ValueError(f"topo_align: {wire} residual has {residual.numel()} elements; expected {p + p // n}")
         first, second = residual[:p], residual[p:]
         buf = buf + first
-    codec = _codec(buf, wire, group, tier, groups, record, n)
+    codec = _codec(buf, wire, group, tier, groups, record, n, run)
     sent = codec.encode(buf, first)
     # Each phase books half the payload, so that the two together count as one all-reduce of it does:
     # the byte figures compare with the fp32 wire's. The 16-bit padding (< n elements) is not booked.
     total = sum(t.numel() * t.element_size() for t in sent) if codec.unit > 1 else m * sent[0].element_size()
-    mine = C.run("all_to_all", tier, group, groups, total // 2, record,
-                 lambda: _owner_sum(sent, codec, group, n), like=sent[0])
+    mine = run("all_to_all", tier, group, groups, total // 2, record,
+               lambda: _owner_sum(sent, codec, group, n), like=sent[0])
     if second is not None:
         mine += second
     back = codec.encode(mine, second)
     out = tuple(torch.empty_like(t) for t in sent)
-    C.run("all_gather", tier, group, groups, total - total // 2, record,
-          lambda: [C.all_gather_flat(o, b, group=group) for o, b in zip(out, back)], like=sent[0])
+    run("all_gather", tier, group, groups, total - total // 2, record,
+        lambda: [gather(o, b, group=group) for o, b in zip(out, back)], like=sent[0])
     return codec.decode(out)[:m]
 
 
 def lossy_reduce_scatter(out: torch.Tensor, x: torch.Tensor, wire: torch.dtype, residual, group, groups,
-                         record, n: int) -> torch.Tensor:
+                         record, n: int, *, run) -> torch.Tensor:
     """Reduce-scatter SUM of ``x`` over ``group`` into ``out`` (member i gets chunk i) on a 16-bit wire.
 
     Phases: 0. (fp16) MAX all-reduce of amax for a common scale; 1. add ``residual`` (shape ``x``),
     quantise (its error goes back there); 2. all-to-all + fp32 sum in member order
     (`_owner_sum`). The sum stays with its owner, so it is rounded at most once, into ``out``'s dtype.
+    ``run``: collectives.run, which issues the phases.
     """
     v = x.reshape(-1).float()
     if residual is not None:
         v = v + residual
-    codec = _Cast(wire, agree_scale(v, wire, group, "inter", groups, record, n))
+    codec = _Cast(wire, agree_scale(v, wire, group, "inter", groups, record, n, run=run))
     q = codec.encode(v, residual)[0]
-    mine = C.run("reduce_scatter", "inter", group, groups, q.numel() * q.element_size(), record,
-                 lambda: _owner_sum((q,), codec, group, n), like=q)
+    mine = run("reduce_scatter", "inter", group, groups, q.numel() * q.element_size(), record,
+               lambda: _owner_sum((q,), codec, group, n), like=q)
     out.copy_(mine.view_as(out))
     return out
