@@ -8,8 +8,10 @@ Every ``import`` and ``from ... import`` in every module counts, at module level
                        doctor, plot (topology)     diagnostics (reducer, doctor, emulate)
 
 Also checked here: the adapters (torch, deepspeed, megatron) issue no collective of their own and
-import neither reducer.wire.collectives nor reducer.wire.wire (every collective is the engine's); frameworks
-(deepspeed, megatron) are imported only by their adapters and the parts above them; no module
+import neither reducer.wire.collectives nor reducer.wire.wire (every collective is the engine's); the
+module import graph has no cycle; inside reducer/ the sub-packages import one way (REDUCER_LAYERS) and
+each says in its ``__init__`` docstring what it owns; frameworks (deepspeed, megatron) are imported
+only by their adapters and the parts above them; no module
 imports another module's private name; no library module installs a warning filter at import; no
 module is longer than MAX_LINES; comments and docs point to files of this repository, never to
 documents outside it.
@@ -103,9 +105,11 @@ def _alias(module: str) -> str:
     return module
 
 
-def _imports(module: str, path: Path) -> list[tuple[str, int]]:
+def _imports(module: str, path: Path, modules: dict[str, Path] | None = None) -> list[tuple[str, int]]:
     """Modules of topo_integrations that ``module`` imports (resolved, with line numbers). ``from
-    pkg import name`` counts as importing ``pkg.name`` when that is a module, else ``pkg``."""
+    pkg import name`` counts as importing ``pkg.name`` when that is a module (of ``modules``, default
+    MODULES), else ``pkg``."""
+    modules = MODULES if modules is None else modules
     is_pkg = path.name == "__init__.py"
     here = module.split(".") if is_pkg else module.split(".")[:-1]
     out = []
@@ -123,7 +127,7 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
             target = _alias(target)
             for a in node.names:
                 sub = _alias(f"{target}.{a.name}")
-                out.append((sub if sub in MODULES else target, node.lineno))
+                out.append((sub if sub in modules else target, node.lineno))
     return out
 
 
@@ -260,6 +264,129 @@ def test_imports_follow_the_layers():
     assert not bad, "imports against the layering (docs/design.md, Layers):\n" + "\n".join(bad)
     stale = KNOWN_LAYER_EXCEPTIONS - seen
     assert not stale, f"known exceptions that no longer occur; delete them from KNOWN_LAYER_EXCEPTIONS: {stale}"
+
+
+# -- no import cycle, and the rooms of reducer/ in one order ------------------------------------------
+
+
+def _graph(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Module -> the modules of ``modules`` it imports (every import, as `_imports` counts them)."""
+    return {m: sorted({t for t, _ in _imports(m, p, modules) if t != m and t in modules}) for m, p in modules.items()}
+
+
+def _cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as ``[a, b, ..., a]``, or None (depth-first, iterative)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path, todo = [root], [iter(graph[root])]
+        state[root] = 1
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                todo.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(graph.get(nxt, ())))
+    return None
+
+
+def test_no_import_cycle():
+    """No module of the package imports itself through others (lazy and TYPE_CHECKING imports count):
+    a shared piece goes to a module below both, or is handed in."""
+    cyc = _cycle(_graph(MODULES))
+    assert cyc is None, "import cycle: " + " -> ".join(cyc)
+
+
+def test_the_cycle_check_sees_a_lazy_cycle(tmp_path):
+    pkg = tmp_path / PKG / "x"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n")
+    (pkg / "c.py").write_text("def f():\n    from topo_integrations.x.a import g\n")
+    mods = {f"{PKG}.x.{n}": pkg / f"{n}.py" for n in "abc"}
+    assert _cycle(_graph(mods)) == [f"{PKG}.x.{n}" for n in "abca"]
+    (pkg / "c.py").write_text("import os\n")
+    assert _cycle(_graph(mods)) is None
+
+
+REDUCER = f"{PKG}.reducer"
+REDUCER_LAYERS = ["kinds", "watch", "plan", "wire", "schedule", "classes", "reconcile", "adaptive", "engine"]
+"""The rooms of reducer/ from bottom to top (docs/design.md): a module of one may import only the rooms
+below it (and its own); reducer/__init__.py, the public face, may import every room."""
+
+
+def _room(module: str) -> str | None:
+    """``topo_integrations.reducer.wire.collectives`` -> ``wire``; the reducer package itself -> ""."""
+    if module == REDUCER:
+        return ""
+    return module[len(REDUCER) + 1:].split(".")[0] if module.startswith(REDUCER + ".") else None
+
+
+def _room_violations(modules: dict[str, Path]) -> list[str]:
+    bad = []
+    for module, path in modules.items():
+        me = _room(module)
+        if not me:  # outside reducer/, or reducer/__init__.py
+            continue
+        for target, line in _imports(module, path, modules):
+            them = _room(target)
+            if them is None or them == me:
+                continue
+            if them == "" or them not in REDUCER_LAYERS or REDUCER_LAYERS.index(them) > REDUCER_LAYERS.index(me):
+                bad.append(f"{path}:{line}: reducer/{me} imports {target}; reducer/{me} may import only "
+                           f"{REDUCER_LAYERS[:REDUCER_LAYERS.index(me)]}")
+    return bad
+
+
+def test_reducer_rooms_import_one_way():
+    rooms = {_room(m) for m in MODULES if _room(m)}
+    assert rooms == set(REDUCER_LAYERS), f"rooms without a layer: {rooms - set(REDUCER_LAYERS)}; layers " \
+                                         f"without a room: {set(REDUCER_LAYERS) - rooms}"
+    bad = _room_violations(MODULES)
+    assert not bad, "imports against the order of reducer/ (REDUCER_LAYERS):\n" + "\n".join(bad)
+
+
+def test_the_room_check_sees_an_upward_import(tmp_path):
+    root = tmp_path / PKG / "reducer"
+    for room in ("watch", "plan"):
+        (root / room).mkdir(parents=True)
+    (root / "watch" / "w.py").write_text("def f():\n    from ..plan import p\n")
+    (root / "plan" / "p.py").write_text("from ..watch.w import f\nfrom ...reducer import Engine\n")
+    mods = {f"{REDUCER}.watch.w": root / "watch" / "w.py", f"{REDUCER}.plan.p": root / "plan" / "p.py"}
+    bad = _room_violations(mods)
+    assert [b.split(": ", 1)[1].split(";")[0] for b in bad] == [
+        f"reducer/watch imports {REDUCER}.plan.p", f"reducer/plan imports {REDUCER}"]
+
+
+def _docstring_problems(root: Path) -> list[str]:
+    """Sub-packages of ``root`` whose ``__init__.py`` has no docstring, or one of more than one paragraph."""
+    bad = []
+    for init in sorted(root.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+        if not doc:
+            bad.append(f"{init}: no docstring saying what {init.parent.name}/ owns")
+        elif "\n\n" in doc.strip():
+            bad.append(f"{init}: the docstring is more than one paragraph")
+    return bad
+
+
+def test_every_reducer_room_says_what_it_owns():
+    bad = _docstring_problems(ROOT / PKG / "reducer")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_docstring_check_sees_a_missing_one(tmp_path):
+    for name, text in {"a": '"""Owns a."""\n', "b": "x = 1\n", "c": '"""Owns c.\n\nAnd more."""\n'}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(text)
+    assert [b.split(": ", 1)[1] for b in _docstring_problems(tmp_path)] == [
+        "no docstring saying what b/ owns", "the docstring is more than one paragraph"]
 
 
 def test_emulate_and_bench_do_not_import_each_other_both_ways():
