@@ -92,7 +92,7 @@ ALIASES = {f"{PKG}.reducer.groups": f"{PKG}.reducer.plan",
 
 
 def _part(module: str) -> str:
-    """``topo_integrations.reducer.health`` -> ``reducer``; the package itself -> ``""``."""
+    """``topo_integrations.reducer.wire.health`` -> ``reducer``; the package itself -> ``""``."""
     rest = module.split(".")[1:]
     return rest[0] if rest else ""
 

@@ -383,7 +383,7 @@ def _monitor_and_comms_logger(rank, tmpdir):
 
 class _CollectiveSpy:
     """Records every torch.distributed collective issued on the adapter's own process groups, and
-    whether it ran inside ``reducer.collectives.run`` (the layer that names failures and books the
+    whether it ran inside ``reducer.wire.collectives.run`` (the layer that names failures and books the
     bytes; tensors are device-checked before it) and in which thread."""
 
     OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_gather",
@@ -444,7 +444,7 @@ class _CollectiveSpy:
 def _async(rank):
     """Asynchronous reconciliation at ZeRO-0 and ZeRO-1 selective: invariants every step, staleness 1,
     all equal after a forced blocking reconciliation; every collective on the adapter's groups went
-    through reducer.collectives.run, and every LOCAL-class one ran on the engine's LOCAL worker."""
+    through reducer.wire.collectives.run, and every LOCAL-class one ran on the engine's LOCAL worker."""
     from topo_integrations.deepspeed import harness as H
 
     res = {}

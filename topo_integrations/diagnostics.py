@@ -1,7 +1,7 @@
 """Diagnostics above the reducer: findings from link probes, the GPU link matrix, a start-of-run
 check, and the probe job that ``topo-align doctor --probe`` runs (docs/reliability.md).
 
-The reducer measures (:func:`topo_integrations.reducer.health.probe_groups`: latency and bus
+The reducer measures (:func:`topo_integrations.reducer.wire.health.probe_groups`: latency and bus
 bandwidth of every intra group and rail, gathered on every rank); this module judges the numbers
 and reports them as ``topo-align doctor`` findings, and runs the probe job under torchrun or on the
 emulated cluster. It sits above the reducer in the layering (docs/design.md, "Layers"): it may
@@ -40,7 +40,7 @@ PROBE_MODULE = "topo_integrations.diagnostics"
 
 
 def check_probe(result, plan, *, tolerance: float = 2.0) -> list[Finding]:
-    """Findings for a :class:`~topo_integrations.reducer.health.ProbeResult`: a group below its
+    """Findings for a :class:`~topo_integrations.reducer.wire.health.ProbeResult`: a group below its
     tier's planned bandwidth / ``tolerance``, or ``tolerance`` times slower than the median group of
     its kind (e.g. one congested leaf); ``ok`` otherwise."""
     out: list[Finding] = []
@@ -95,7 +95,7 @@ def start_of_run_check(groups, *, sysfs_root: str | None = None, probe: bool = T
                        nbytes: int = 1 << 20, tolerance: float = 2.0, device=None,
                        nvidia_smi: bool = True) -> list[Finding]:
     """IB ports + GPU link matrix (local) + group probes (collective over the DP group of
-    ``groups``, a :class:`~topo_integrations.reducer.groups.ReducerGroups`).
+    ``groups``, a :class:`~topo_integrations.reducer.plan.groups.ReducerGroups`).
 
     Every rank must call it (the probes are collectives). Warnings are logged on DP position 0.
     """

@@ -255,7 +255,7 @@ def system_layout(key: str, topo, *, topology_file: str, group_by: str, middle_l
                   topo_set: dict | None = None, sync_last_n_layers: int = 1,
                   reconcile_interval: int | None = None) -> Layout:
     """The layout the theory prices system ``key`` on. A topo-align system: the plan the plugin
-    makes for it, ``reducer.groups.plan_for`` on the config the system runs with (``topo_block``:
+    makes for it, ``reducer.plan.planning.plan_for`` on the config the system runs with (``topo_block``:
     its mode, group_by, middle_level, ``--topo-set`` keys such as ``topology.min_tier_ratio``), so
     ``selective`` keeps two levels on islands of one rank where the planner does (issue 31). Every
     other system: the mode-less plan of ``group_by`` (the groups post-local SGD, torchft and the

@@ -8,7 +8,7 @@
 
 One DDP bucket, seen from the hook: its parameters (``bucket.parameters()``, laid out back to back
 in ``bucket.buffer()``) are mapped to element ranges per class (SYNC, LOCAL) from the engine's
-classes, and each class present becomes one :class:`~topo_integrations.reducer.dispatch.CommBucket`
+classes, and each class present becomes one :class:`~topo_integrations.reducer.schedule.dispatch.CommBucket`
 keyed ``ddp<index>/<class>``. The layout is computed on every call: DDP rebuilds its buckets after
 the first iteration (the order gradients became ready), and the engine may change classes at a
 reconciliation; when the layout of an index changes, the LOCAL error-feedback residuals follow their

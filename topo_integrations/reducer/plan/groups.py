@@ -79,13 +79,14 @@ class ReducerGroups:
     """The communication device: every tensor handed to a collective on these groups lives there
     (set by the engine: the CUDA device with NCCL, the CPU with gloo)."""
     trace: Any = None
-    """With ``monitor.check_collectives``: the schedule's :class:`~topo_integrations.reducer.order.Trace`
+    """With ``monitor.check_collectives``: the schedule's :class:`~topo_integrations.reducer.schedule.order.Trace`
     (every collective on these groups leaves its fingerprint there)."""
     schedule: Any = None
     """The process's :class:`~topo_integrations.reducer.schedule.Schedule` issuing on these groups
     (attached by the first engine; every engine on these groups shares it)."""
     watch: Any = None
-    """The schedule's :class:`~topo_integrations.reducer.completion.Watch` (deadlines of collectives in flight)."""
+    """The schedule's :class:`~topo_integrations.reducer.watch.completion.Watch` (deadlines of collectives
+    in flight)."""
 
     def ranks_of(self, group: Any) -> tuple[int, ...]:
         """Global ranks of a group handle of this object (the DP group for None)."""

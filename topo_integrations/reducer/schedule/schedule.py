@@ -1,9 +1,9 @@
 """The process's one schedule: one issuing order, one trace, one deadline watch for every engine.
 
 Several engines may live in one process (Megatron's virtual-pipeline chunks, the expert engine):
-each has its own :class:`~topo_integrations.reducer.dispatch.Dispatcher` (its policy: wire
+each has its own :class:`~topo_integrations.reducer.schedule.dispatch.Dispatcher` (its policy: wire
 dtypes, release points, held buckets), and all of them issue through the one :class:`Schedule`
-attached to their :class:`~topo_integrations.reducer.groups.ReducerGroups` (``groups.schedule``;
+attached to their :class:`~topo_integrations.reducer.plan.groups.ReducerGroups` (``groups.schedule``;
 an adapter building a second set of groups for the same process passes the first one's schedule
 on with :meth:`Schedule.attach`). So on every rank the collectives of all engines leave in one
 sequence (released in program order on the training thread), a single trace fingerprints them

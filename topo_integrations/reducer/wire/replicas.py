@@ -3,7 +3,7 @@ and learning the job's data-parallel layout.
 
 Adapters (``torch/``, ``deepspeed/``, ``megatron/``) issue no ``torch.distributed`` collective of
 their own (tests/test_architecture.py): these calls are the reducer's, so they end in
-:class:`~topo_integrations.reducer.collectives.CollectiveError` naming the operation, the group and
+:class:`~topo_integrations.reducer.watch.errors.CollectiveError` naming the operation, the group and
 its ranks, and are bounded by ``fallback.timeout_s``. Once an engine exists, call
 :func:`gather_dp` through ``engine.call(...)`` so it takes its place in the one schedule
 (dispatch.py); the other two run at set-up, before any engine issues anything.

@@ -10,7 +10,7 @@ Every adapter issues its gradient, reconciliation and control collectives throug
 * every tensor handed to a collective must be on the communication device (``groups.device``):
   collectives.py checks it, and :meth:`Wire.tensor` makes the small control tensors (norms,
   overflow flags, scores) there, so with NCCL nothing is sent from the host;
-* bytes and seconds go to the engine's :class:`~topo_integrations.reducer.stats.Stats` per tier and
+* bytes and seconds go to the engine's :class:`~topo_integrations.reducer.engine.stats.Stats` per tier and
   class (``sync``, ``local``, ``reconcile``, ``control``).
 """
 
