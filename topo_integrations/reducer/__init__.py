@@ -1,7 +1,7 @@
 """Topology-aware gradient reduction (docs/reducer.md); framework-free, explicit process groups.
 
 Layers, bottom up:
-  kinds.py        Mode, Cls, Traffic enums;  ranges.py  flat <-> element-range copies
+  kinds.py        Mode, Cls, Traffic, Level, Method enums;  ranges.py  flat <-> element-range copies
   groups.py       process groups from a plan (+ discover_plan: topology -> plan on rank 0 -> broadcast)
   discover.py     `topology.source: auto` at run time: node facts gathered, optional tier probe
   collectives.py  flat / hierarchical / intra / reconcile collectives on flat tensors (each one
@@ -18,10 +18,11 @@ Layers, bottom up:
   dispatch.py     Dispatcher: the one ordered schedule (release points, one issuing thread, futures,
                   bounded waits); every collective of an engine goes through it
   policy.py       ClassPolicy: which tensors are SYNC / LOCAL (importance, drift, classes)
-  reconcile.py    what adapters hand over for reconciliation, and how it is averaged (part of Engine;
-                  PendingAverage: an average in flight)
+  reconcile.py    what adapters hand over for reconciliation (PendingAverage: an average in flight)
+  reconciler.py   Reconciler: the engine's part that averages LOCAL tensors, and its state
+  adapter_spec.py EngineTensors, AdapterTraits: what an adapter tells the engine it builds
   health.py       probes and the start-of-run check of every communicator
-  engine.py       Engine: the step (policy + dispatcher + reconciliation), adaptive levels, state, stats
+  engine.py       Engine: composes policy, dispatcher, wire, reconciler; the step, adaptive levels, state, stats
   adaptive.py     adaptive levels when the slow tier degrades
   regroup.py      adaptive regrouping (candidate plans, estimates, rebuilding the groups)
   replicas.py     the adapters' other collectives: start-up broadcast, fingerprint gather, DP layouts
