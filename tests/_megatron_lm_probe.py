@@ -75,7 +75,7 @@ def _install_probe(out_dir: str) -> None:
                 and _same(flats, list(range(half, world))), "all_equal": _same(flats, list(range(world))),
                 "sync_equal": sync_ok, "n_sync": sum(c == "SYNC" for c in classes.values()),
                 "n_local": sum(c == "LOCAL" for c in classes.values()),
-                "reconciles": engines[0].reconciles if engines else None,
+                "reconciles": engines[0].reconciler.reconciles if engines else None,
                 "type": type(chunk).__name__})
         if iteration == get_args().train_iters:
             torch.save(params, os.path.join(out_dir, f"params_rank{dist.get_rank()}.pt"))

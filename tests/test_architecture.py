@@ -57,7 +57,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 # TODO(#14): removed by the adapter rewrite. (importing module, part it imports) pairs that break
-# the layering today; the reducer's owner moves what reducer/health.py needs from doctor/emulate
+# the layering today; the reducer's owner moves what reducer/wire/health.py needs from doctor/emulate
 # into diagnostics.py (already there).
 KNOWN_LAYER_EXCEPTIONS: set[tuple[str, str]] = set()
 
@@ -521,3 +521,57 @@ def test_references_stay_inside_the_repository():
                      + "\n".join(bad))
     stale = KNOWN_OUTSIDE_REFERENCES - seen
     assert not stale, f"no outside references left; delete them from KNOWN_OUTSIDE_REFERENCES: {stale}"
+
+
+# Issue 41: modes are compared as members of the Mode enum (config.py, re-exported by reducer.kinds),
+# never as spelled strings, outside the parsing of the config. (path, comparison as ast.unparse
+# writes it) -> why it may stay; a stale entry fails too.
+MODE_WORDS = {"flat", "hierarchical", "selective"}
+MODE_PARSING = {"topo_integrations/config.py"}
+KNOWN_MODE_WORDS: dict[tuple[str, str], str] = {
+    **{("topo_integrations/sim/scenario.py", c): "the simulator's algorithm names (sim/algorithms.py "
+       "ALGORITHMS), a vocabulary of its own that shares one word with the modes"
+       for c in ("key == 'selective'", "'selective' in opt.algorithms")},
+    ("topo_integrations/sim/benchcheck.py", "algo == 'selective'"): "a simulator algorithm name (as above)",
+    ("topo_integrations/bench/report.py", "'selective' in e['key']"): "a substring of a bench system's key "
+    "(bench/systems.py), not a mode",
+}
+
+
+def _mode_word_comparisons(path: Path) -> list[tuple[int, str]]:
+    """Comparisons (``==``, ``!=``, ``in``, ``not in``) with a mode word as a string literal on one
+    side (alone, or in a tuple, list or set literal)."""
+    def words(node) -> set[str]:
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) and (words(a) | words(b)) & MODE_WORDS
+                   for op, a, b in zip(node.ops, sides, sides[1:])):
+                out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_modes_are_compared_as_enum_members(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('if cfg.mode == "flat" or m in ("selective", "x") or "hierarchical" != m:\n'
+                     '    run(mode="flat", kind="selective" == k2 == "other")\n')
+    assert sorted(c for _, c in _mode_word_comparisons(probe)) == sorted([
+        "cfg.mode == 'flat'", "m in ('selective', 'x')", "'hierarchical' != m", "'selective' == k2 == 'other'",
+    ]), "the scan misses a spelling of a mode comparison (or flags a keyword argument)"
+    bad, seen = [], set()
+    for path in MODULES.values():
+        rel = str(path.relative_to(ROOT))
+        if rel in MODE_PARSING:
+            continue
+        for line, cmp in _mode_word_comparisons(path):
+            if (rel, cmp) in KNOWN_MODE_WORDS:
+                seen.add((rel, cmp))
+            else:
+                bad.append(f"{rel}:{line}: {cmp}")
+    assert not bad, "compare with Mode members (topo_integrations.config.Mode), not strings:\n" + "\n".join(bad)
+    stale = set(KNOWN_MODE_WORDS) - seen
+    assert not stale, f"no longer occur; delete them from KNOWN_MODE_WORDS: {stale}"

@@ -120,7 +120,7 @@ def _selective(rank):
                 # Right after the reconciliation at step 12, move two tensors between classes, as a
                 # refresh would (refresh_classes does exactly this: new classes, version + 1). The
                 # fisher ranking of this model happens to keep its classes, so force a change here.
-                assert st.engine.all_synced and st.steps == 12
+                assert st.engine.reconciler.all_synced and st.steps == 12
                 classes = dict(st.engine.classes, **{"layers.1.weight": "SYNC", "layers.2.weight": "LOCAL"})
                 st.engine.reconfigure(classes=classes)
             versions.append(st.class_version)
@@ -458,7 +458,7 @@ def _async(rank):
             eng.topo_reconcile()
         rows = H.gather_rows(H.flat_params(eng))
         st = eng.topo_align
-        res[stage] = {"records": recs, "losses": losses, "max_staleness": st.engine.max_staleness,
+        res[stage] = {"records": recs, "losses": losses, "max_staleness": st.engine.reconciler.max_staleness,
                       "reconciles": st.reconciles, "equal_after_forced": bool((rows == rows[0]).all()),
                       "calls": len(spy.calls), "bypass": [c for c in spy.calls if not c[2]][:5],
                       "local_threads": sorted({c[3] for c in spy.calls if c[1] in ("intra_low", "inter_low")})}
@@ -490,7 +490,7 @@ def _adaptive(rank):
             H.train(eng, 4, start=step, check=H.selective_checker(recs))
             step += 4
             e = eng.topo_align.engine
-            out["runs"].append({"level": ctrl.level, "H": e.reconcile_interval, "sync_dtype": str(e.sync_dtype),
+            out["runs"].append({"level": ctrl.level, "H": e.reconciler.interval, "sync_dtype": str(e.sync_dtype),
                                 "records": recs})
         eng.topo_reconcile()
         rows = H.gather_rows(H.flat_params(eng))
@@ -526,7 +526,7 @@ def _drift_and_hutchinson(rank):
     recs = []
     losses = H.train(eng, 10, check=H.selective_checker(recs))
     e = eng.topo_align.engine
-    res["hutchinson"] = {"records": recs, "losses": losses, "last_refresh": e.last_refresh,
+    res["hutchinson"] = {"records": recs, "losses": losses, "last_refresh": e.policy.last_refresh,
                          "seed": e.importance.hutchinson_seed, "sync": dict(eng.topo_align.sync)}
     _reset_ds_globals()
     return res

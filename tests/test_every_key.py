@@ -243,8 +243,8 @@ def _signature(red, records: list[str]) -> dict:
     ctrl = e.adaptive
     return {
         "mode": str(red.mode), "plan": red.plan.reason, "classes": sorted(e.classes.items()),
-        "wire": (str(e.sync_dtype), str(e.local_dtype), str(e.reconcile_dtype), e.wire.error_feedback),
-        "reconcile": (e.reconcile_interval, e.reconciles, e.last_refresh), "buckets": st["buckets"],
+        "wire": (str(e.sync_dtype), str(e.local_dtype), str(e.reconciler.dtype), e.wire.error_feedback),
+        "reconcile": (e.reconciler.interval, e.reconciler.reconciles, e.policy.last_refresh), "buckets": st["buckets"],
         "bytes": st["total"]["bytes"], "timeout": red.groups.timeout_s, "threaded": e.dispatcher.threaded,
         "check": e.dispatcher.trace is not None,
         "fisher": float(e.importance.ema.sum()),

@@ -139,7 +139,7 @@ def _selective_run(rank, spec, cfg, *, dist_opt, steps=30):
 
     return {"recs": recs, "stats": ddp.topo_stats()["totals"], "n_params": len(cls),
             "n_sub_optimizers": len(getattr(opt, "chained_optimizers", [opt])),
-            "last_refresh": ddp.topo_engines[0].last_refresh,
+            "last_refresh": ddp.topo_engines[0].policy.last_refresh,
             "fisher_updates": ddp.topo_engines[0].importance.updates,
             "expert_swapped": sum(isinstance(bg, TopoBucketGroup) for bg in ddp.expert_parallel_bucket_groups)}
 
@@ -308,9 +308,10 @@ def _engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None, ov
             s.__exit__()
     final = _invariants(ddp, {"loss": None})
     e = ddp.topo_engines[0]
-    out = {"recs": recs, "releases": releases, "final_all_same": final["all_same"], "max_staleness": e.max_staleness,
-           "reconciles": e.reconciles, "promoted": list(e.drift.promoted), "sync_dtype": str(e.sync_dtype),
-           "interval": e.reconcile_interval, "classes_version": e.class_version,
+    out = {"recs": recs, "releases": releases, "final_all_same": final["all_same"],
+           "max_staleness": e.reconciler.max_staleness,
+           "reconciles": e.reconciler.reconciles, "promoted": list(e.drift.promoted), "sync_dtype": str(e.sync_dtype),
+           "interval": e.reconciler.interval, "classes_version": e.class_version,
            "level": None if e.adaptive is None else e.adaptive.level,
            "hutchinson_refreshes": e.importance.hutchinson_seed, "stats": ddp.topo_stats()["totals"],
            "moments_residuals": sorted(k for k in e.wire.residual_state() if k.startswith("moments/"))}

@@ -86,7 +86,7 @@ def _nccl_main(rank, world):
     import torch.distributed as dist
 
     from topo_integrations.reducer import build_groups
-    from topo_integrations.reducer.engine.engine import Engine
+    from topo_integrations.reducer.engine import Engine, EngineTensors
     from topo_integrations.reducer.plan.planning import gather_hostnames_topology
     from topo_integrations.reducer.schedule.dispatch import CommBucket
     from topo_integrations.topology import plan_groups
@@ -102,7 +102,7 @@ def _nccl_main(rank, world):
     out = {}
     for mode in ("hierarchical", "selective"):
         cfg = cfg_of(mode=mode, sync__last_n_layers=0, sync__top_fraction=0.0, sync__always_sync=[])
-        e = Engine(cfg, g, ["a", "b"], [1000, 24], device=dev, layers={"a": None, "b": None})
+        e = Engine(cfg, g, EngineTensors(["a", "b"], [1000, 24], layers={"a": None, "b": None}), device=dev)
         x = torch.randn(1000, device=dev, generator=torch.Generator(device=dev).manual_seed(rank))
         want = x.clone()
         dist.all_reduce(want)
@@ -138,7 +138,7 @@ def _nccl_fault_main(rank, world):
     import time
 
     from topo_integrations.reducer import build_groups
-    from topo_integrations.reducer.engine.engine import Engine
+    from topo_integrations.reducer.engine import Engine, EngineTensors
     from topo_integrations.reducer.plan.planning import gather_hostnames_topology
     from topo_integrations.reducer.schedule.dispatch import CommBucket
     from topo_integrations.reducer.watch.errors import CollectiveError
@@ -151,7 +151,7 @@ def _nccl_fault_main(rank, world):
     plan = plan_groups(gather_hostnames_topology(["n0", "n1"]))
     g = build_groups(plan, timeout_s=5)
     cfg = cfg_of(mode="hierarchical", fallback__timeout_s=5)
-    e = Engine(cfg, g, ["a"], [1000], device=dev, layers={"a": None})
+    e = Engine(cfg, g, EngineTensors(["a"], [1000], layers={"a": None}), device=dev)
     if rank == 1:
         time.sleep(20)
         return {"skipped": True}

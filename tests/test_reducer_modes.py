@@ -307,7 +307,8 @@ def s_delta_reconcile(rank, world, groups):
                              for k in ("exp_avg", "exp_avg_sq")])
         out[name] = {"bytes": before, "same": same_on(list(range(world)), flat_params(model)),
                      "moments_same": same_on(list(range(world)), moments), "staleness": red.max_staleness,
-                     "reconciles": red.engine.reconciles, "finite": bool(torch.isfinite(flat_params(model)).all())}
+                     "reconciles": red.engine.reconciler.reconciles,
+                     "finite": bool(torch.isfinite(flat_params(model)).all())}
         red.close()
     return out
 
@@ -444,7 +445,8 @@ def s_streaming(rank, world, groups):
         moments = torch.cat([opt.state[p][m].reshape(-1) for p in model.parameters()
                              for m in ("exp_avg", "exp_avg_sq")])
         out[name] = {"per_step": per_step, "fragments": [len(f) for f in parts], "staleness": red.max_staleness,
-                     "counts": dict(e._frag_reconciles), "same": same_on(list(range(world)), flat_params(model)),
+                     "counts": dict(e.reconciler.frag_reconciles),
+                     "same": same_on(list(range(world)), flat_params(model)),
                      "moments_same": same_on(list(range(world)), moments)}
         red.close()
     out["round_trip"] = _round_trip(rank, groups, _rt_cfg(local__stream_fragments=3, local__reconcile_dtype="int8",

@@ -160,7 +160,7 @@ def _world(rank, world_size):
     out = []
     for level in (0, 1, 2, 3, 0):
         go(level)
-        rec = {"level": ctrl.level, "mode": red.mode, "H": red.engine.reconcile_interval,
+        rec = {"level": ctrl.level, "mode": red.mode, "H": red.engine.reconciler.interval,
                "inter_dtype": str(red.engine.sync_dtype), "errs": []}
         if red.mode == "flat":  # entering flat reconciled: every parameter identical on all ranks
             h = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -291,7 +291,7 @@ def _checkpoint_roundtrip(red, model, cfg):
     out["fresh_mode"] = fresh.mode
     fresh.load_state_dict(red.state_dict())
     sd2 = fresh.state_dict()["engine"]
-    out.update(mode=fresh.mode, level=fresh.adaptive.level, H=fresh.engine.reconcile_interval,
+    out.update(mode=fresh.mode, level=fresh.adaptive.level, H=fresh.engine.reconciler.interval,
                inter_dtype=str(fresh.engine.sync_dtype),
                classes_equal=fresh.classify() == red.classify(), layout_equal=fresh._layout() == red._layout(),
                state_equal=(sd2["adaptive"] == sd["adaptive"] and sd2["classes"] == sd["classes"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,32 +31,32 @@ from .auto_values import (  # noqa: F401 (re-exported)
 )
 
 __all__ = [
-    "ConfigError",
-    "TopoAlignConfig",
-    "TopologyConfig",
-    "SyncConfig",
-    "LocalConfig",
-    "ImportanceConfig",
-    "CommunicationConfig",
-    "FallbackConfig",
-    "AdaptiveConfig",
-    "MonitorConfig",
-    "DTYPES",
-    "MODES",
-    "SOURCE_KINDS",
-    "format_validation_error",
+    "ConfigError", "TopoAlignConfig", "TopologyConfig", "SyncConfig", "LocalConfig", "ImportanceConfig",
+    "CommunicationConfig", "FallbackConfig", "AdaptiveConfig", "MonitorConfig",
+    "DTYPES", "MODES", "Mode", "SOURCE_KINDS", "format_validation_error",
     "MANY_GROUPS", "resolve_sync", "resolve_bucket_mb",
 ]
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 CrossDtype = Literal["fp32", "bf16", "fp16", "int8"]  # wires across groups that may be 8-bit
 SyncDtype = Literal["auto", "fp32", "bf16", "fp16", "int8"]  # auto: from the group count (resolve_sync)
-Mode = Literal["flat", "hierarchical", "selective"]
+ModeName = Literal["flat", "hierarchical", "selective"]
 SourceKind = Literal["auto", "file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "hostnames"]
 
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 MODES: tuple[str, ...] = ("flat", "hierarchical", "selective")
 SOURCE_KINDS: tuple[str, ...] = ("auto", "file", "nvidia-smi", "nccl-xml", "slurm", "hostfile", "hostnames")
+
+
+class Mode(StrEnum):
+    """``mode`` of the config (see its field). Defined beside its parsing so that every layer, the topology
+    planner below the reducer included, compares with members, never with spelled strings (a member
+    equals its value, so the parsed ``cfg.mode`` compares with it); ``reducer.kinds`` re-exports it."""
+
+    FLAT = "flat"
+    HIERARCHICAL = "hierarchical"
+    SELECTIVE = "selective"
+
 
 # JSON nested deeper than this is refused before it reaches pydantic: a real block is 3 levels deep,
 # and Python's recursion limit must never be the thing that rejects a hostile file.
@@ -319,7 +320,7 @@ class TopoAlignConfig(_Section):
     enabled: bool = True
     """Turn the plugin on; `false` leaves the framework's own reduction untouched."""
 
-    mode: Mode = "selective"
+    mode: ModeName = "selective"
     """`flat` (one all-reduce), `hierarchical` (exact: intra reduce-scatter, inter all-reduce, intra
     all-gather) or `selective` (SYNC tensors every step, LOCAL inside groups with periodic reconciliation)."""
 

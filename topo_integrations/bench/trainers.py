@@ -14,6 +14,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from ..config import Mode
 from .systems import LOCALSGD_PERIOD, topo_block, torchft_period
 
 __all__ = ["build", "lr_at_step"]
@@ -288,7 +289,7 @@ class _Reducer(_Plain):
             "sync_fraction": st["sync_elements"] / max(1, total),
             **_reconcile_info(self.reducer.engine.cfg),
             "reconciles": (st["optimizer_steps"] // self.cfg.local.reconcile_interval
-                           if st["mode"] == "selective" else 0),
+                           if st["mode"] == Mode.SELECTIVE else 0),
             "reducer_bytes_total": st["total"]["bytes"],
             "reducer_steps": st["steps"],
         }

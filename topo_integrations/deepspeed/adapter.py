@@ -23,19 +23,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, Mode
 from ..reducer.classes.classes import SYNC, layer_indices
-from ..reducer.engine.engine import Engine, ParamReconcileSource
+from ..reducer.engine import AdapterTraits, Engine, EngineTensors, ParamReconcileSource
+from ..reducer.kinds import Method
 
 __all__ = ["DeepSpeedTopo", "STATE_FORMAT"]
 
 log = logging.getLogger("topo_align")
 
 STATE_FORMAT = "topo-align/deepspeed/v2"
-
-ADAPTIVE_LEVELS = ("normal", "reconcile", "fp16")
-"""Levels the DeepSpeed adapter can apply: DeepSpeed owns the data-parallel layout, so no `flat`
-level and no regrouping (reducer/adaptive/adaptive.py)."""
 
 
 def comm_device() -> torch.device:
@@ -63,10 +60,11 @@ class DeepSpeedTopo:
         self.names = [n for n, _ in named]
         self.params = dict(named)
         numels = [int(getattr(p, "ds_numel", p.numel())) for _, p in named]
-        selective = cfg.mode == "selective"
-        self.engine = Engine(cfg, groups, self.names, numels, device=comm_device(),
-                             layers=layer_indices(self.names, model=module, layer_pattern=cfg.sync.layer_pattern),
-                             params=self.params if selective else None, levels=ADAPTIVE_LEVELS)
+        selective = cfg.mode == Mode.SELECTIVE
+        tensors = EngineTensors(self.names, numels,
+                                layers=layer_indices(self.names, model=module, layer_pattern=cfg.sync.layer_pattern),
+                                params=self.params if selective else None)
+        self.engine = Engine(cfg, groups, tensors, device=comm_device(), traits=AdapterTraits.fixed_layout())
         if cfg.adaptive.enabled:
             self.engine.enable_adaptive()
         self.last_clip_norm: float | None = None
@@ -78,7 +76,7 @@ class DeepSpeedTopo:
         self._user_closure: Callable[[], torch.Tensor] | None = None
         self._last_batch: tuple[tuple, dict] | None = None
         self._hook = None
-        if selective and cfg.importance.method == "hutchinson":
+        if selective and cfg.importance.method == Method.HUTCHINSON:
             self._hook = module.register_forward_pre_hook(self._record_batch, with_kwargs=True)
             self.engine.set_loss_closure(self._loss)
 
@@ -98,7 +96,7 @@ class DeepSpeedTopo:
 
     @property
     def reconciles(self) -> int:
-        return self.engine.reconciles
+        return self.engine.reconciler.reconciles
 
     @property
     def class_version(self) -> int:

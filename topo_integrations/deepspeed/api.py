@@ -27,7 +27,7 @@ import logging
 import threading
 from typing import Any
 
-from ..config import TopoAlignConfig
+from ..config import Mode, TopoAlignConfig
 from .block import from_deepspeed_config
 from .support import UnsupportedConfigError, check_supported, zero_stage
 
@@ -108,7 +108,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     raw = _resolve_config(args, config, config_params)
     ds = _load(raw)
     cfg = from_deepspeed_config(ds) if isinstance(ds, dict) else None
-    if cfg is None or not cfg.enabled or cfg.mode == "flat":
+    if cfg is None or not cfg.enabled or cfg.mode == Mode.FLAT:
         if cfg is not None:
             log.info("topo_align: %s; DeepSpeed reduces gradients itself",
                      "enabled is false" if not cfg.enabled else "mode 'flat'")
@@ -160,7 +160,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
         log.info("topo_align: mode %s at ZeRO-%d: %s", cfg.mode, stage, plan.reason)
 
     # 6. Selective at ZeRO-1/2: DeepSpeed's DP group is the island.
-    island_dp = cfg.mode == "selective" and stage in (1, 2)
+    island_dp = cfg.mode == Mode.SELECTIVE and stage in (1, 2)
     if island_dp:
         from .mpu import IslandMPU
 

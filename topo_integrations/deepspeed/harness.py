@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import Mode
+
 __all__ = ["prepare_cpu", "Net", "ds_config", "topo_block", "make_optimizer", "train", "flat_params",
            "gather_rows", "rel_err", "virtual_hostname"]
 
@@ -86,7 +88,7 @@ def ds_config(stage: int, *, gas: int = 1, clip: float = 0.0, micro: int = 4, to
 
 def topo_block(mode: str, **sections) -> dict:
     block: dict[str, Any] = {"enabled": True, "mode": mode, "topology": {"source": "hostnames"}}
-    if mode == "selective":
+    if mode == Mode.SELECTIVE:
         # fp32 SYNC wire: the tests compare SYNC with DeepSpeed's exact mean
         block["sync"] = {"last_n_layers": 1, "always_sync": ["head"], "top_fraction": 0.0, "dtype": "fp32"}
         block["local"] = {"dtype": "fp32", "reconcile_interval": 4, "async_reconcile": False}
@@ -177,7 +179,7 @@ def selective_checker(records: list):
         islands = gather_rows(isl).reshape(-1).tolist()
         sync_equal = bool((s_rows == s_rows[0]).all())
         island_equal = all(bool((l_rows[r] == l_rows[islands.index(islands[r])]).all()) for r in range(len(islands)))
-        reconciled = st.engine.all_synced  # a blocking reconciliation ended this step
+        reconciled = st.engine.reconciler.all_synced  # a blocking reconciliation ended this step
         all_equal = bool((l_rows == l_rows[0]).all())
         norm = torch.tensor([st.last_clip_norm if st.last_clip_norm is not None else -1.0], dtype=torch.float64)
         norms = gather_rows(norm).reshape(-1)

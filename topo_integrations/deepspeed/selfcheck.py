@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from ..config import Mode
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m topo_integrations.deepspeed.selfcheck")
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": eng.topo_align.groups.plan.reason if used else None,
         "launcher_env": {k: os.environ.get(k) for k in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")},
     }
-    ok = used and (a.mode != "hierarchical" or result["rel_err_vs_stock"] <= 1e-6)
+    ok = used and (a.mode != Mode.HIERARCHICAL or result["rel_err_vs_stock"] <= 1e-6)
     if dist.get_rank() == 0:
         text = json.dumps(result)
         print(text, flush=True)

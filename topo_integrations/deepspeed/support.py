@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..config import Mode
+
 __all__ = ["UnsupportedConfigError", "check_supported", "check_keys", "zero_stage", "KEY_REFUSALS",
            "ds_communication_dtype"]
 
@@ -62,7 +64,7 @@ class KeyRefusal:
 
 
 def _island_dp(ds: dict, cfg) -> bool:
-    return cfg.mode == "selective" and zero_stage(ds) in (1, 2)
+    return cfg.mode == Mode.SELECTIVE and zero_stage(ds) in (1, 2)
 
 
 KEY_REFUSALS: tuple[KeyRefusal, ...] = (
@@ -91,7 +93,7 @@ KEY_REFUSALS: tuple[KeyRefusal, ...] = (
 def check_keys(ds: dict, cfg) -> None:
     """Raise :class:`UnsupportedConfigError` for the first key of :data:`KEY_REFUSALS` the user set
     and the adapter cannot honour in this configuration."""
-    if cfg.mode == "flat" or not cfg.enabled:
+    if cfg.mode == Mode.FLAT or not cfg.enabled:
         return
     explicit = cfg.explicit_keys()
     for r in KEY_REFUSALS:
@@ -115,13 +117,13 @@ def check_supported(ds: dict, cfg, *, model: Any = None, mpu: Any = None) -> Non
     def refuse(what: str, instead: str) -> None:
         raise UnsupportedConfigError(f"{where}: {what} is not supported; {instead}")
 
-    if mode == "flat":
+    if mode == Mode.FLAT:
         return
     if int(ds.get("sequence_parallel_size", 1) or 1) > 1:
         refuse("sequence_parallel_size > 1 (the data-parallel group then mixes sequence ranks)",
                "use topo_align.mode 'flat' or remove sequence parallelism")
     if stage == 3:
-        if mode == "selective":
+        if mode == Mode.SELECTIVE:
             refuse("selective at ZeRO-3 (parameters are partitioned over the whole data-parallel group, "
                    "so island replicas cannot drift and be reconciled)",
                    "use mode 'hierarchical' with ZeRO-3, or ZeRO stage 1 or 2 for 'selective'")
@@ -131,7 +133,7 @@ def check_supported(ds: dict, cfg, *, model: Any = None, mpu: Any = None) -> Non
         if zero.get("reduce_scatter") is False:
             refuse("ZeRO-3 with reduce_scatter = false (a direct all-reduce the adapter does not intercept)",
                    "remove zero_optimization.reduce_scatter or set it to true")
-    if mode == "selective":
+    if mode == Mode.SELECTIVE:
         if mpu is not None:
             refuse("an mpu (tensor/pipeline model parallelism) with selective",
                    "use mode 'hierarchical' with model parallelism, or the Megatron adapter")

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
-from ..config import TopoAlignConfig
+from ..config import Mode, TopoAlignConfig
 from ..reducer.classes.classes import SYNC, layer_indices
-from ..reducer.engine.engine import Engine
+from ..reducer.engine import AdapterTraits, Engine, EngineTensors
+from ..reducer.kinds import Method
 from ..reducer.plan.groups import ReducerGroups
 from .bucket_group import StepRelease, TopoBucketGroup
 from .compat import CORE_BUILT, check_built, check_core
@@ -54,9 +55,6 @@ __all__ = ["TopoAlignDDP", "TopoBucketGroup", "TopoAlignDDPError", "topo_config_
 log = logging.getLogger("topo_align")
 
 STATE_FORMAT = "topo-align/megatron/v2"
-ADAPTIVE_LEVELS = ("normal", "reconcile", "fp16")
-"""Levels the adapter can apply: no `flat` level and no regrouping (Megatron owns the DP layout)."""
-
 
 def topo_config_of(ddp_config: Any, explicit: TopoAlignConfig | None = None) -> tuple[TopoAlignConfig | None, str]:
     """The plugin config and where it came from.
@@ -112,7 +110,7 @@ class TopoAlignDDP(DistributedDataParallel):
     def __init__(self, config, ddp_config, module, disable_bucketing: bool = False, pg_collection=None, *,
                  topo_align: TopoAlignConfig | None = None, topo_groups: GroupSet | None = None):
         cfg, source = topo_config_of(ddp_config, topo_align)
-        if cfg is not None and cfg.enabled and cfg.mode != "flat":
+        if cfg is not None and cfg.enabled and cfg.mode != Mode.FLAT:
             check_core()  # the version gate, before Megatron builds what the adapter would then patch
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing, pg_collection=pg_collection)
         self.topo_config = cfg
@@ -124,7 +122,7 @@ class TopoAlignDDP(DistributedDataParallel):
         self._topo_capture: LossCapture | None = None
         if cfg is None:
             return
-        if not cfg.enabled or cfg.mode == "flat":
+        if not cfg.enabled or cfg.mode == Mode.FLAT:
             self.topo_reason = "topo_align disabled" if not cfg.enabled else "mode 'flat': Megatron's own reduction"
             log.info("topo_align: %s", self.topo_reason)
             return
@@ -161,7 +159,7 @@ class TopoAlignDDP(DistributedDataParallel):
                 # Megatron's reduction (every step, over all their replicas: SYNC in `selective`).
                 log.info("topo_align: expert parameters keep Megatron's reduction: %s", expert_groups.plan.reason)
         if ddp_config.use_distributed_optimizer:
-            if cfg.mode == "selective":
+            if cfg.mode == Mode.SELECTIVE:
                 # Not a silent fallback: the default local.dtype cannot apply here (an explicit
                 # other value was refused by check_config above).
                 log.info("topo_align: selective with the distributed optimizer: LOCAL gradients travel in the "
@@ -173,7 +171,7 @@ class TopoAlignDDP(DistributedDataParallel):
         self._topo_build_engines(cfg)
         for s in self.topo_slots:  # when each engine's held LOCAL and reconciliation work goes
             StepRelease.attach(s.engine, s.bucket_groups)
-        if cfg.mode == "selective" and cfg.importance.method == "hutchinson":
+        if cfg.mode == Mode.SELECTIVE and cfg.importance.method == Method.HUTCHINSON:
             self._topo_capture = LossCapture(self.module)
             self.topo_set_loss_closure(self._topo_capture.closure)
         self.topo_active = True
@@ -245,12 +243,13 @@ class TopoAlignDDP(DistributedDataParallel):
             layers, num_layers = self._topo_layers(cfg, list(named.values()))
             forced = {n for p, n in mine.items() if p in extra or getattr(p, "shared_embedding", False)}
             self.topo_group_set.share_schedule(groups)  # one schedule for every chunk and the expert engine
-            engine = Engine(cfg, groups, names, [p.numel() for p in mine], device=device,
-                            layers={n: layers.get(n) for n in names}, num_layers=num_layers,
-                            params={n: p for p, n in mine.items()}, forced_sync=forced, levels=ADAPTIVE_LEVELS,
-                            # --overlap-grad-reduce: the hooks hand buckets to the dispatcher's thread
-                            # and return (gloo); on CUDA the dispatcher enqueues on its stream anyway.
-                            workers=bool(self.ddp_config.overlap_grad_reduce))
+            tensors = EngineTensors(names, [p.numel() for p in mine], layers={n: layers.get(n) for n in names},
+                                    num_layers=num_layers, params={n: p for p, n in mine.items()},
+                                    forced_sync=frozenset(forced))
+            # --overlap-grad-reduce: the hooks hand buckets to the dispatcher's thread and return
+            # (gloo); on CUDA the dispatcher enqueues on its stream anyway.
+            engine = Engine(cfg, groups, tensors, device=device,
+                            traits=AdapterTraits.fixed_layout(workers=bool(self.ddp_config.overlap_grad_reduce)))
             if self.ddp_config.bucket_size:
                 engine.wire.chunk_numel = min(engine.wire.chunk_numel, int(self.ddp_config.bucket_size))
             for gi, bg in enumerate(bgs):

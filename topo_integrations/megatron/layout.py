@@ -27,7 +27,7 @@ import argparse
 import logging
 from typing import Any
 
-from ..config import TopoAlignConfig
+from ..config import Mode, TopoAlignConfig
 
 __all__ = ["INSTANCES", "UNSET_ATTR", "mark_derivable", "resolve_unset", "choose_instances", "instances_refusal",
            "derive_layout", "wants_instances"]
@@ -70,7 +70,7 @@ def resolve_unset(ns: argparse.Namespace) -> None:
 
 def wants_instances(cfg: TopoAlignConfig | None, use_distributed_optimizer: bool) -> bool:
     """Whether `TopoAlignDDP` will shard the distributed optimizer by topology group."""
-    return cfg is not None and cfg.enabled and cfg.mode != "flat" and bool(use_distributed_optimizer)
+    return cfg is not None and cfg.enabled and cfg.mode != Mode.FLAT and bool(use_distributed_optimizer)
 
 
 def choose_instances(explicit: int | None, plan: Any) -> tuple[int, str | None]:

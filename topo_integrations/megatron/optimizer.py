@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..reducer.engine.engine import ReconcileItem
+from ..config import Mode
+from ..reducer.engine import ReconcileItem
 from .compat import OPTIMIZER_BUILT, check_built
 
 __all__ = ["prepare_optimizer", "prepare_checkpoint", "is_topo_chunk", "MegatronReconcileSource", "sub_optimizers",
@@ -167,7 +168,7 @@ def prepare_optimizer(optimizer, model_chunks) -> Any:
     if not chunks or getattr(optimizer, "_topo_prepared", False):
         return optimizer
     check_optimizer(optimizer)
-    if any(m.topo_config.mode == "selective" for m in chunks):
+    if any(m.topo_config.mode == Mode.SELECTIVE for m in chunks):
         make_grad_stats_global(optimizer, chunks[0].topo_engines[0])
     original_step = optimizer.step
 

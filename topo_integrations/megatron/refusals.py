@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import ConfigError, TopoAlignConfig
+from ..config import ConfigError, Mode, TopoAlignConfig
+from ..reducer.kinds import Method
 from .flags import FLAG_FIELDS
 
 __all__ = ["TopoAlignDDPError", "MegatronSide", "REFUSALS", "Refusal", "check_config", "check_megatron_settings",
@@ -69,13 +70,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "Megatron decides whether buckets are reduced during backward",
         "use --overlap-grad-reduce (DistributedDataParallelConfig.overlap_grad_reduce) and remove the key"),
     Refusal(
-        "local.dtype", lambda c, m: c.mode == "selective" and m.use_distributed_optimizer,
+        "local.dtype", lambda c, m: c.mode == Mode.SELECTIVE and m.use_distributed_optimizer,
         "with the distributed optimizer LOCAL gradients travel in the island reduce-scatter of the whole "
         "bucket, in the gradient buffer's dtype",
         "remove the key (or choose the buffer dtype with --accumulate-allreduce-grads-in-fp32), or use plain DDP "
         "(no --use-distributed-optimizer) where local.dtype applies"),
     Refusal(
-        "importance.method", lambda c, m: (c.mode == "selective" and c.importance.method == "hutchinson"
+        "importance.method", lambda c, m: (c.mode == Mode.SELECTIVE and c.importance.method == Method.HUTCHINSON
                                            and m.pipeline_parallel_size > 1),
         "with pipeline parallelism no stage computes the whole loss, so there is no loss closure to "
         "differentiate twice",
@@ -106,7 +107,7 @@ def check_config(cfg: TopoAlignConfig, side: MegatronSide) -> None:
 
 def check_megatron_settings(cfg: TopoAlignConfig, side: MegatronSide) -> None:
     """Megatron settings the plugin cannot combine with the configured mode."""
-    if cfg.mode == "selective" and side.calculate_per_token_loss:
+    if cfg.mode == Mode.SELECTIVE and side.calculate_per_token_loss:
         raise TopoAlignDDPError(
             f"topo_align: mode = 'selective' is not supported by {ADAPTER} with calculate_per_token_loss: Megatron "
             "all-reduces the token count over the whole data-parallel group, LOCAL gradients would need group "

@@ -2,15 +2,15 @@
 
 Rooms by concern (docs/design.md), bottom up; a room imports only the rooms below it
 (tests/test_architecture.py holds the order):
-  kinds.py    Mode, Cls, Traffic enums
+  kinds.py    the vocabulary: Mode, Cls, Traffic, Level, Method enums
   watch/      what a failure is (CollectiveError), bounded blocking calls, completion and the timeout watch
   plan/       process groups from a plan, planning and its broadcast, runtime discovery (discover_plan)
   wire/       what crosses a link: wire formats, lossy hops, the collectives (`run`), Wire, replicas, health
   schedule/   element ranges, recipes, collective order, the schedule and the Dispatcher
-  classes/    SYNC / LOCAL: class rules, importance, drift, ClassPolicy, `auto`
-  reconcile/  what adapters hand over for reconciliation and how it is averaged
+  classes/    SYNC / LOCAL: class rules, importance, drift, ClassPolicy, `auto`; EngineTensors, AdapterTraits
+  reconcile/  what adapters hand over for reconciliation, and the Reconciler that averages it
   adaptive/   adaptive levels and regrouping when the slow tier degrades
-  engine/     Engine: the step composed of the above, its state and stats
+  engine/     Engine: composes the policy, the schedule, the wire and the reconciler; the step, state, stats
 
 The adapters sit above: torch/ (GroupedReducer, the DDP comm hook), deepspeed/, megatron/.
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from ..config import Mode
 from .model import Topology, TopologyError
 
 __all__ = ["Plan", "PlanError", "plan_groups", "recommended_host_order"]
@@ -204,7 +205,7 @@ def plan_groups(
     reason = ""
     if len(intra_lists) == 1:
         reason = f"one {group_by} holds all {topo.world_size} ranks: a single tier"
-    elif all(len(g) == 1 for g in intra_lists) and mode != "selective":
+    elif all(len(g) == 1 for g in intra_lists) and mode != Mode.SELECTIVE:
         reason = (f"every {group_by} holds one rank: nothing to reduce inside groups"
                   + ("; try group_by 'leaf'" if group_by == "island" and len(leaves) > 1 else ""))
     elif ratio < min_tier_ratio:

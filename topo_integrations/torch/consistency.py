@@ -49,7 +49,7 @@ def verify_replicas(engine, named: list[tuple[str, torch.Tensor]], layout: str) 
                 f"(global ranks {g.dp_ranks[0]} and {g.dp_ranks[pos]})")
     for i, (name, _) in enumerate(named, start=1):
         cls = engine.classes[name]
-        everywhere = cls == SYNC or engine.all_synced
+        everywhere = cls == SYNC or engine.reconciler.all_synced
         for pos in range(g.dp_size):
             ref = 0 if everywhere else gi.index(gi[pos])
             if not torch.equal(H[pos, i], H[ref, i]):

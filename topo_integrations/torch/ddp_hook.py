@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import TopoAlignConfig
 from ..reducer.classes.classes import LOCAL, SYNC, layer_indices
 from ..reducer.classes.importance import Importance
-from ..reducer.engine.engine import Engine
+from ..reducer.engine import AdapterTraits, Engine, EngineTensors
 from ..reducer.kinds import Cls
 from ..reducer.plan.groups import ReducerGroups
 from ..reducer.schedule.dispatch import CommBucket
@@ -54,9 +54,6 @@ __all__ = ["TopoAlignHookState", "topo_align_hook"]
 log = logging.getLogger("topo_align")
 
 STATE_FORMAT = "topo-align/ddp-hook/v1"
-
-ADAPTIVE_LEVELS = ("normal", "reconcile", "fp16")
-"""Adaptive levels the hook can apply (DDP owns the data-parallel group: no regrouping)."""
 
 
 class TopoAlignHookState(EngineView):
@@ -90,10 +87,11 @@ class TopoAlignHookState(EngineView):
         self._name_of = {id(p): n for n, p in self._named}
         names = [n for n, _ in self._named]
         self.device = self._named[0][1].device
-        self.engine = Engine(cfg, groups, names, [p.numel() for _, p in self._named], device=self.device,
-                             layers=layer_indices(names, model=module, layer_pattern=cfg.sync.layer_pattern),
-                             params=self._params, loss_closure=loss_closure, workers=cfg.communication.overlap,
-                             levels=ADAPTIVE_LEVELS)
+        tensors = EngineTensors(names, [p.numel() for _, p in self._named],
+                                layers=layer_indices(names, model=module, layer_pattern=cfg.sync.layer_pattern),
+                                params=self._params, loss_closure=loss_closure)
+        self.engine = Engine(cfg, groups, tensors, device=self.device,
+                             traits=AdapterTraits.fixed_layout(workers=cfg.communication.overlap))
         # Reconciliation chunks of the size GroupedReducer uses (the same chunks, the same numbers).
         self.engine.wire.chunk_numel = min(self.engine.wire.chunk_numel,
                                           max(1, int(self.engine.cfg.communication.bucket_size_mb * 1024 * 1024) // 4))

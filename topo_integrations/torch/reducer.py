@@ -38,10 +38,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..config import TopoAlignConfig
+from ..config import Mode, TopoAlignConfig
 from ..reducer.classes.classes import LOCAL, SYNC, layer_indices
 from ..reducer.classes.importance import Importance
-from ..reducer.engine.engine import Engine
+from ..reducer.engine import AdapterTraits, Engine, EngineTensors
+from ..reducer.kinds import Method
 from ..reducer.plan.discover import discover_plan
 from ..reducer.plan.groups import ReducerGroups, build_groups
 from ..reducer.schedule.dispatch import CommBucket
@@ -65,7 +66,7 @@ def check_config(cfg, loss_closure, who: str) -> None:
     """What a plain-PyTorch adapter refuses before it builds anything (named after ``who``)."""
     if not isinstance(cfg, TopoAlignConfig):
         raise TypeError(f"cfg must be a TopoAlignConfig, got {type(cfg).__name__}")
-    if cfg.importance.method == "hutchinson" and cfg.mode == "selective" and loss_closure is None:
+    if cfg.importance.method == Method.HUTCHINSON and cfg.mode == Mode.SELECTIVE and loss_closure is None:
         raise ValueError("importance.method = 'hutchinson' needs a loss closure: "
                          f"{who}(..., loss_closure=lambda: loss_fn(model(batch)))")
 
@@ -79,7 +80,7 @@ def topology_groups(cfg: TopoAlignConfig, *, groups: ReducerGroups | None = None
         if plan is None:
             plan = discover_plan(cfg)
         groups = build_groups(plan, dp_ranks_all=dp_ranks_all, timeout_s=cfg.fallback.timeout_s)
-    if cfg.mode == "flat" or groups.hierarchical:
+    if cfg.mode == Mode.FLAT or groups.hierarchical:
         return groups, None
     if cfg.fallback.on_flat_topology == "error":
         raise ValueError(f"topo_align: mode {cfg.mode!r} needs a hierarchical plan, but {groups.plan.reason} "
@@ -147,10 +148,11 @@ class GroupedReducer(EngineView):
             # the engine exists, whose initial classes rank the parameters by magnitude.
             broadcast_from_first(list(model.parameters()) + list(model.buffers()), groups)
 
-        self.engine = Engine(cfg, groups, self._names, [p.numel() for _, p in self._named], device=self.device,
-                             layers=layer_indices(self._names, model=model, layer_pattern=cfg.sync.layer_pattern),
-                             params=self._params, loss_closure=loss_closure, workers=cfg.communication.overlap,
-                             can_regroup=True)
+        tensors = EngineTensors(self._names, [p.numel() for _, p in self._named],
+                                layers=layer_indices(self._names, model=model, layer_pattern=cfg.sync.layer_pattern),
+                                params=self._params, loss_closure=loss_closure)
+        self.engine = Engine(cfg, groups, tensors, device=self.device,
+                             traits=AdapterTraits(workers=cfg.communication.overlap, can_regroup=True))
         # The bucket size the engine resolved (`auto`: from the group count, config.resolve_bucket_mb).
         self._bucket_numel = max(1, int(self.engine.cfg.communication.bucket_size_mb * 1024 * 1024) // 4)
         self.engine.wire.chunk_numel = min(self.engine.wire.chunk_numel, self._bucket_numel)
@@ -179,7 +181,7 @@ class GroupedReducer(EngineView):
 
     @property
     def max_staleness(self) -> int:
-        return self.engine.max_staleness
+        return self.engine.reconciler.max_staleness
 
     @property
     def importance(self) -> Importance:

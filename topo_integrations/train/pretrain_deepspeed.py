@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config import Mode
 from . import common
 from .common import UsageError
 from .metrics import TrainLogger
@@ -183,8 +184,8 @@ def run(args: argparse.Namespace) -> dict:
     mode = block["mode"] if block else "stock"
     topo_active = stats is not None
     # The adapter hands a one-tier topology back to DeepSpeed (and says why in its log).
-    shown = mode if topo_active or mode in ("flat", "stock") else f"{mode}, inactive: DeepSpeed's own reduction"
-    if topo_active and mode == "selective":
+    shown = mode if topo_active or mode in (Mode.FLAT, "stock") else f"{mode}, inactive: DeepSpeed's own reduction"
+    if topo_active and mode == Mode.SELECTIVE:
         shown = f"{mode} ({common.selective_label([stats()])})"
     label = f"deepspeed, {shown}, {args.model} ({n_params / 1e6:.2f}M params), {world} ranks, {backend}"
     tokens_per_step = global_batch * gcfg.seq_length

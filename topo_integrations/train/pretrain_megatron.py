@@ -29,6 +29,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ..config import Mode
 from . import checkpoint as ckpt
 from . import common
 from .common import UsageError
@@ -204,8 +205,8 @@ def _train(args, rank, world, backend, tp, block, paths, gcfg) -> dict:
 
     mode = block["mode"] if block else "stock"
     reason = getattr(ddp, "topo_reason", "stock DistributedDataParallel")
-    shown = mode if topo_active or mode in ("flat", "stock") else f"{mode}, inactive: {reason}"
-    if topo_active and mode == "selective":
+    shown = mode if topo_active or mode in (Mode.FLAT, "stock") else f"{mode}, inactive: {reason}"
+    if topo_active and mode == Mode.SELECTIVE:
         shown = f"{mode} ({common.selective_label(ddp.topo_stats()['engines'])})"
     label = (f"megatron-core, {shown}, {args.model} ({n_params / 1e6:.2f}M params), {world} ranks "
              f"(tp {tp}, dp {dp_size}), {backend}")

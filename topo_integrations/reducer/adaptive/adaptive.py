@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from ...config import AdaptiveConfig
 from ..classes.classes import SYNC
+from ..kinds import Level, Mode
 from ..wire.collectives import run
 from .regroup import choose_plan, regroup
 
@@ -57,7 +58,7 @@ __all__ = ["AdaptiveController", "AdaptivePolicy", "Measurement", "LEVELS"]
 
 log = logging.getLogger("topo_align")
 
-LEVELS = ("normal", "reconcile", "fp16", "flat")
+LEVELS: tuple[Level, ...] = tuple(Level)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class AdaptivePolicy:
         return self.reference is None or self.probe_reference is None
 
     def wants_probe(self) -> bool:
-        return self.probe_reference is None or self.name == "flat"
+        return self.probe_reference is None or self.name == Level.FLAT
 
     def decide(self, m: Measurement) -> tuple[int, str]:
         """New level index and the reason (empty when unchanged)."""
@@ -133,7 +134,7 @@ class AdaptivePolicy:
                 self.degraded_run = 0
                 return prev, (f"flat is not faster: {m.step_s * 1e3:.1f} ms per step in flat vs "
                               f"{before * 1e3:.1f} ms at level {self.available[prev]!r}; going back")
-        if self.name == "flat":
+        if self.name == Level.FLAT:
             bw, ref, what = m.probe_gbps, self.probe_reference, "rail probe"
         else:
             bw, ref, what = m.inter_gbps, self.reference, "inter tier"
@@ -158,7 +159,7 @@ class AdaptivePolicy:
         if self.degraded_run >= self.cfg.window:
             self.degraded_run = 0
             nxt = self.level + 1
-            if nxt < len(self.available) and self.available[nxt] == "flat":
+            if nxt < len(self.available) and self.available[nxt] == Level.FLAT:
                 if self.flat_rejected:
                     return self.level, ""
                 self.flat_trial_from = self.level
@@ -182,19 +183,20 @@ class AdaptiveController:
         self.reconcile_factor = int(reconcile_factor)
         self.probe_numel = max(1, int(probe_bytes) // 4)
         self.base_mode = engine.mode
-        self.base_H = engine.reconcile_interval
+        self.base_H = engine.reconciler.interval
         self.base_inter_dtype = engine.sync_dtype
         self.allowed = tuple(levels)
         g = engine.groups
-        avail = ["normal"]
-        if g.inter is not None and g.inter_size > 1 and self.base_mode != "flat":
-            if self.base_mode == "selective" and engine.has_local() and "reconcile" in levels:
-                avail.append("reconcile")
+        # Plain strings (a StrEnum member equals its value): the names go into saved states and logs.
+        avail = [str(Level.NORMAL)]
+        if g.inter is not None and g.inter_size > 1 and self.base_mode is not Mode.FLAT:
+            if self.base_mode is Mode.SELECTIVE and engine.has_local() and Level.RECONCILE in levels:
+                avail.append(str(Level.RECONCILE))
             # only a 4-byte wire gains from FP16 (a BF16 one, selective's default, would not shrink)
-            if self.base_inter_dtype == torch.float32 and "fp16" in levels:
-                avail.append("fp16")
-            if "flat" in levels:
-                avail.append("flat")
+            if self.base_inter_dtype == torch.float32 and Level.FP16 in levels:
+                avail.append(str(Level.FP16))
+            if Level.FLAT in levels:
+                avail.append(str(Level.FLAT))
         self.active = len(avail) > 1
         self.policy = AdaptivePolicy(self.cfg, tuple(avail), planned_inter_gbps=planned_inter_gbps)
         self.saved_classes: dict = {}
@@ -302,16 +304,17 @@ class AdaptiveController:
         av = self.policy.available
         want = set(av[1:new + 1])  # every level up to `new` is in effect (they accumulate)
         e = self.engine
-        if "flat" in want and e.mode != "flat":
-            if e.mode == "selective" and reconcile:
-                e.reconcile(e.source)  # blocking: replicas identical before one all-reduce keeps them so
+        if Level.FLAT in want and e.mode is not Mode.FLAT:
+            if e.mode is Mode.SELECTIVE and reconcile:
+                e.reconcile(e.reconciler.source)  # blocking: replicas identical before one all-reduce keeps them so
             self.saved_classes = dict(e.classes)
-            e.reconfigure(mode="flat", classes={n: SYNC for n in e.classes})
-        elif "flat" not in want and e.mode != self.base_mode:
+            e.reconfigure(mode=Mode.FLAT, classes={n: SYNC for n in e.classes})
+        elif Level.FLAT not in want and e.mode != self.base_mode:
             classes, self.saved_classes = self.saved_classes, {}
             e.reconfigure(mode=self.base_mode, classes=classes)
-        e.reconfigure(reconcile_interval=self.base_H * self.reconcile_factor if "reconcile" in want else self.base_H,
-                      sync_dtype=torch.float16 if "fp16" in want else self.base_inter_dtype)
+        H = self.base_H * self.reconcile_factor if Level.RECONCILE in want else self.base_H
+        e.reconfigure(reconcile_interval=H,
+                      sync_dtype=torch.float16 if Level.FP16 in want else self.base_inter_dtype)
 
     def restore_base(self) -> None:
         """Back to the configured level (before a checkpoint's level is applied)."""
@@ -410,7 +413,7 @@ class AdaptiveController:
           4. when chosen, :func:`regroup` (which broadcasts position 0's plan and rebuilds the groups).
         """
         r = self.engine
-        if not r.can_regroup:
+        if not r.traits.can_regroup:
             return False  # the framework owns the data-parallel layout (DeepSpeed, Megatron adapters)
         g = r.groups
         if len(g.dp_ranks) != dist.get_world_size():

@@ -9,6 +9,7 @@ import logging
 import torch.distributed as dist
 
 from ..classes.classes import SYNC
+from ..kinds import Mode
 from ..wire.compression import wire_dtype
 
 __all__ = ["estimate_step_comm_s", "choose_plan", "regroup"]
@@ -59,8 +60,8 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
     if len(g.dp_ranks) != dist.get_world_size():
         raise ValueError("topo_align: regroup needs the data-parallel group to be the whole world "
                          f"({len(g.dp_ranks)} of {dist.get_world_size()} ranks)")
-    if engine.mode == "selective":
-        engine.reconcile(engine.source)
+    if engine.mode is Mode.SELECTIVE:
+        engine.reconcile(engine.reconciler.source)
     engine.dispatcher.drain()
     plan = engine.call(lambda: broadcast_plan(plan if g.position == 0 else None, g.dp_group, src=g.dp_ranks[0],
                                               timeout_s=engine.cfg.fallback.timeout_s), "broadcast(regroup plan)")
@@ -70,11 +71,12 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
     cfg = engine.cfg
     ctrl = engine.adaptive
     classes = dict(ctrl.saved_classes) if ctrl is not None and ctrl.saved_classes else dict(engine.classes)
-    mode = cfg.mode if plan.hierarchical else "flat"
-    if mode != "selective":
+    mode = Mode(cfg.mode) if plan.hierarchical else Mode.FLAT
+    if mode is not Mode.SELECTIVE:
         classes = {n: SYNC for n in classes}
+    wire = cfg.sync.dtype if mode is Mode.SELECTIVE else cfg.communication.inter_dtype
     engine.reconfigure(groups=new, mode=mode, classes=classes, reconcile_interval=cfg.local.reconcile_interval,
-                       sync_dtype=wire_dtype(cfg.sync.dtype if mode == "selective" else cfg.communication.inter_dtype))
+                       sync_dtype=wire_dtype(wire))
     if ctrl is not None:
         # The controller's own class (adaptive.py, which imports this module): no import back.
         fresh = type(ctrl)(engine, ctrl.cfg, levels=ctrl.allowed)

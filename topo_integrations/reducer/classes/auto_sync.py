@@ -10,7 +10,7 @@ line that says what `auto` became.
 
 from __future__ import annotations
 
-from ...config import LOCAL_CLASS_KEYS, MANY_GROUPS, ConfigError, TopoAlignConfig, resolve_bucket_mb, resolve_sync
+from ...config import LOCAL_CLASS_KEYS, MANY_GROUPS, ConfigError, Mode, TopoAlignConfig, resolve_bucket_mb, resolve_sync
 
 __all__ = ["resolved_config"]
 
@@ -46,7 +46,7 @@ def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfi
     s = cfg.sync
     auto = [k for k in ("dtype", "top_fraction") if getattr(s, k) == "auto"]
     got = dict(zip(("dtype", "top_fraction"), resolve_sync(s.dtype, s.top_fraction, n_groups)))
-    selective = cfg.mode == "selective"
+    selective = cfg.mode == Mode.SELECTIVE
     if selective and n_groups >= 2 and got["top_fraction"] >= 1.0:
         _refuse_local_keys(cfg, n_groups, auto="top_fraction" in auto)
     if auto:

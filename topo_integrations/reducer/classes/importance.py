@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..kinds import Method
+
 __all__ = ["Importance"]
 
 
@@ -26,7 +28,7 @@ class Importance:
     magnitude and hutchinson estimates computed at refresh time."""
 
     def __init__(self, method: str, ema_decay: float, names: list[str], *, device="cpu"):
-        if method not in ("fisher", "magnitude", "hutchinson"):
+        if method not in tuple(Method):
             raise ValueError(f"importance.method = {method!r}; expected 'fisher', 'hutchinson' or 'magnitude'")
         self.method = method
         self.decay = ema_decay

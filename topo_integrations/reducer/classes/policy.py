@@ -2,7 +2,8 @@
 
 Owns the tensors the adapter reduces (names, sizes, layer indices, parameters), the importance
 scores (fisher EMA fed by :meth:`ClassPolicy.observe`, magnitude, hutchinson from a loss closure),
-the drift monitor's promotions and the current classes. Everything here is local arithmetic: the
+the drift monitor's promotions, the current classes and the step of their latest refresh
+(the engine's part ``engine.policy``). Everything here is local arithmetic: the
 one collective it needs (agreeing the scores over the data-parallel group) is the engine's, which
 passes the local scores to its dispatcher and the agreed ones back (:meth:`ClassPolicy.local_scores`,
 :meth:`ClassPolicy.classify`), so every rank computes the same classes.
@@ -10,11 +11,11 @@ passes the local scores to its dispatcher and the agreed ones back (:meth:`Class
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ...config import ConfigError, TopoAlignConfig
+from ..kinds import Method
+from .adapter_spec import EngineTensors
 from .classes import LOCAL, SYNC, classify
 from .drift import DriftMonitor
 from .importance import Importance
@@ -25,22 +26,27 @@ __all__ = ["ClassPolicy"]
 class ClassPolicy:
     """Classes of the engine's tensors (all SYNC outside `selective`)."""
 
-    def __init__(self, cfg: TopoAlignConfig, names: list[str], numels: list[int], *, device,
-                 layers: dict[str, int | None], num_layers: int | None, params: dict[str, torch.Tensor] | None,
-                 forced_sync: set[str], loss_closure: Callable[[], torch.Tensor] | None, selective: bool):
+    def __init__(self, cfg: TopoAlignConfig, tensors: EngineTensors, *, device, selective: bool):
         self.cfg = cfg
-        self.names = list(names)
-        self.numels = dict(zip(self.names, (int(k) for k in numels)))
-        self.layers = layers
-        self.num_layers = num_layers
-        self.params = params or {}
-        self.forced_sync = set(forced_sync)
-        self.loss_closure = loss_closure
+        self.names = list(tensors.names)
+        self.numels = dict(zip(self.names, (int(k) for k in tensors.numels)))
+        self.layers = tensors.layers
+        self.num_layers = tensors.num_layers
+        self.params = tensors.params or {}
+        self.forced_sync = set(tensors.forced_sync)
+        self.loss_closure = tensors.loss_closure
         self.importance = Importance(cfg.importance.method, cfg.importance.ema_decay, self.names, device=device)
         self.drift = DriftMonitor(cfg.local.promote_drift_fraction, sum(self.numels.values()),
                                   window=cfg.local.promote_window, demote=cfg.local.demote)
         self.class_version = 0
         self.classes = self._initial(selective)
+        self.last_refresh = 0
+        """The optimizer step of the latest class refresh (the next is due ``importance.refresh_interval``
+        steps later)."""
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether a class refresh is due at optimizer step ``step``."""
+        return step - self.last_refresh >= self.cfg.importance.refresh_interval
 
     # ------------------------------------------------------------------ the classes
 
@@ -94,7 +100,7 @@ class ClassPolicy:
     def tracks_fisher(self, selective: bool) -> bool:
         """Whether :meth:`observe` is worth calling (fisher scores that can change the classes)."""
         t = self.cfg.sync.top_fraction
-        return selective and self.cfg.importance.method == "fisher" and 0.0 < t < 1.0
+        return selective and self.cfg.importance.method == Method.FISHER and 0.0 < t < 1.0
 
     def observe(self, names: list[str], sq_sums: torch.Tensor) -> None:
         """Fisher: fold this step's squared gradient sums of ``names`` into the per-element EMA."""
@@ -103,9 +109,9 @@ class ClassPolicy:
     def local_scores(self, step: int) -> torch.Tensor:
         """This rank's scores (fp64, one per name), before the engine agrees them."""
         m = self.cfg.importance.method
-        if m == "fisher":
+        if m == Method.FISHER:
             return self.importance.ema.clone().double()
-        if m == "magnitude":
+        if m == Method.MAGNITUDE:
             return Importance.magnitude([self.params[n] for n in self.names]).double()
         if self.loss_closure is None:
             raise ConfigError(

@@ -2,22 +2,31 @@
 
 An adapter owns the framework's buffers (GroupedReducer: its buckets; DeepSpeed: the engine's flat
 buckets or the ZeRO partition; Megatron: the bucket groups and the optimizer's main shards) and
-asks the engine everything else:
+asks the engine everything else. The engine is built from named parts, each owning its state:
 
-* **classes** -- which tensors are SYNC and which LOCAL (``engine.classes``), recomputed from agreed
-  importance every ``importance.refresh_interval`` steps, right after a blocking reconciliation, plus
-  drift promotions; adapters rebuild their layout in a listener (:meth:`Engine.on_reconfigure`);
-* **dispatcher** -- every collective (``engine.reduce(bucket, cls)`` -> Future; dispatch.py), with
-  the one error-feedback scheme (``engine.wire``, wire.py);
-* **importance** -- per-tensor scores the adapter feeds with :meth:`Engine.observe` (fisher) or
-  that are computed at refresh (magnitude; hutchinson from a loss closure);
-* **reconciliation** -- every ``local.reconcile_interval`` optimizer steps the LOCAL tensors the
-  adapter lists (:class:`ReconcileItem`) are averaged across groups, blocking or asynchronously
-  (snapshot now, correction ``x += avg(snapshot) - snapshot`` one step later);
-* **drift**, **adaptive** levels, **state** (``state_dict``) and **stats**.
+* **the policy** (``engine.policy``, :class:`~topo_integrations.reducer.classes.policy.ClassPolicy`) --
+  which tensors are SYNC and which LOCAL (``engine.classes``): importance scores the adapter feeds
+  with :meth:`Engine.observe` (fisher) or that are computed at refresh (magnitude; hutchinson from a
+  loss closure), drift promotions, the class version and the latest refresh; recomputed from agreed
+  importance every ``importance.refresh_interval`` steps, right after a blocking reconciliation;
+  adapters rebuild their layout in a listener (:meth:`Engine.on_reconfigure`);
+* **the schedule** (``engine.dispatcher``, dispatch.py) -- every collective (``engine.reduce(bucket,
+  cls)`` -> Future) in one ordered schedule, with the current mode and wire dtypes
+  (``engine.mode``, ``engine.sync_dtype`` read them);
+* **the wire** (``engine.wire``, wire.py) -- the groups, the one error-feedback scheme and the
+  comm device; the dispatcher holds it (a regrouping replaces it there);
+* **the reconciler** (``engine.reconciler``, reconciler.py) -- every ``local.reconcile_interval``
+  optimizer steps the LOCAL tensors the adapter lists (:class:`ReconcileItem`) are averaged across
+  groups, blocking or asynchronously (snapshot now, correction ``x += avg(snapshot) - snapshot`` one
+  step later); owns the anchors, the average in flight and the counters.
+
+The engine itself keeps the optimizer step, the listeners, the **adaptive** controller, and composes
+**state** (``state_dict``: the parts' keys in one ``topo-align/engine/v1`` dict) and **stats**.
+What the adapter reduces and what it can do come as two small records (adapter_spec.py):
+``Engine(cfg, groups, EngineTensors(...), device=..., traits=AdapterTraits(...))``.
 
 Ordering rule (docs/reducer.md, "One schedule"): every collective of the engine goes through its
-:class:`~topo_integrations.reducer.dispatch.Dispatcher`, released at positions fixed by the program
+:class:`~topo_integrations.reducer.schedule.dispatch.Dispatcher`, released at positions fixed by the program
 (SYNC buckets, then LOCAL ones, then reconciliation chunks; control at its place) and issued from one
 thread, so every rank issues the same sequence on every communicator; ``monitor.check_collectives``
 checks it at every step.
@@ -31,111 +40,100 @@ from typing import Callable
 import torch
 
 from ...config import TopoAlignConfig
+from ..classes.adapter_spec import AdapterTraits, EngineTensors
 from ..classes.auto_sync import resolved_config
 from ..classes.classes import LOCAL, SYNC
 from ..classes.drift import DriftMonitor
 from ..classes.importance import Importance
 from ..classes.policy import ClassPolicy
 from ..kinds import Cls, Mode, Traffic
-from ..reconcile.reconcile import (
-    ParamReconcileSource,
-    PendingAverage,
-    ReconcileItem,
-    ReconcileMixin,
-    ReconcileSource,
-    due_fragment,
-)
+from ..reconcile.reconcile import ParamReconcileSource, ReconcileItem, ReconcileSource
+from ..reconcile.reconciler import Reconciler
 from ..schedule.dispatch import CommBucket, Dispatcher
 from ..schedule.order import check_requested
 from ..wire.compression import wire_dtype
 from ..wire.wire import Wire
 from .stats import Stats
 
-__all__ = ["Engine", "ReconcileItem", "ReconcileSource", "ParamReconcileSource", "ENGINE_STATE_FORMAT"]
+__all__ = ["Engine", "EngineTensors", "AdapterTraits", "ReconcileItem", "ReconcileSource", "ParamReconcileSource",
+           "ENGINE_STATE_FORMAT"]
 
 log = logging.getLogger("topo_align")
 
 ENGINE_STATE_FORMAT = "topo-align/engine/v1"
 
 
-class Engine(ReconcileMixin):
-    """Policy, wire, reconciliation and state of one reducer (see the module docstring).
+class Engine:
+    """Policy, schedule, wire and reconciler of one reducer (see the module docstring).
 
-    ``names``/``numels``: the tensors the adapter reduces, in registration order. ``layers``: global
-    layer index per name (None outside layers). ``params``: name -> parameter (for magnitude and
-    hutchinson scores); ``forced_sync``: names that must stay SYNC (e.g. Megatron's shared embedding).
-    ``levels``: the adaptive levels this adapter can apply (GroupedReducer: all four).
+    ``tensors``: what the adapter reduces (names, sizes, layers, parameters, forced SYNC names, loss
+    closure); ``traits``: what it can do (a worker thread, the adaptive levels, regrouping).
     """
 
-    def __init__(self, cfg: TopoAlignConfig, groups, names: list[str], numels: list[int], *, device,
-                 layers: dict[str, int | None], num_layers: int | None = None,
-                 params: dict[str, torch.Tensor] | None = None, forced_sync: set[str] = frozenset(),
-                 loss_closure: Callable[[], torch.Tensor] | None = None, workers: bool = False,
-                 levels: tuple[str, ...] = ("normal", "reconcile", "fp16", "flat"), can_regroup: bool = False):
+    def __init__(self, cfg: TopoAlignConfig, groups, tensors: EngineTensors, *, device,
+                 traits: AdapterTraits | None = None):
         # `auto` SYNC wire and share, from the planned group count (config.resolve_sync); regrouping
         # keeps what was resolved here.
         cfg, note = resolved_config(cfg, groups.inter_size if groups.hierarchical else 1)
         if note and groups.position == 0:
             log.info(note)
         self.cfg = cfg
-        self.groups = groups
+        self.traits = traits or AdapterTraits()
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         # `enabled: false` keeps the framework's reduction: for the adapters that own the reduction
         # (GroupedReducer, the DDP hook) that is one flat all-reduce, as DDP does.
-        self.mode = Mode(cfg.mode) if groups.hierarchical and cfg.enabled else Mode.FLAT
+        mode = Mode(cfg.mode) if groups.hierarchical and cfg.enabled else Mode.FLAT
         if not cfg.enabled and groups.position == 0:
             log.info("topo_align: enabled = false: gradients go through one flat all-reduce over the "
                      "data-parallel group (the framework's own reduction)")
-        self.policy = ClassPolicy(cfg, names, numels, device=self.device, layers=layers, num_layers=num_layers,
-                                  params=params, forced_sync=forced_sync, loss_closure=loss_closure,
-                                  selective=self.mode is Mode.SELECTIVE)
-        """Which tensors are SYNC / LOCAL (policy.py): names, sizes, importance, drift, classes."""
+        self.policy = ClassPolicy(cfg, tensors, device=self.device, selective=mode is Mode.SELECTIVE)
+        """The policy: which tensors are SYNC / LOCAL (policy.py): names, sizes, importance, drift, classes."""
         self.stats_ = Stats()
-        self.wire = Wire(groups, device=self.device, error_feedback=cfg.communication.error_feedback,
-                         stats=self.stats_)
-        # Every collective of this engine goes through the dispatcher (dispatch.py: one ordered
-        # schedule). A thread of its own (CPU) when work should overlap the caller's.
-        self.dispatcher = Dispatcher(self.wire, threaded=workers or (self.mode is Mode.SELECTIVE and
-                                                                     cfg.local.async_reconcile),
+        wire = Wire(groups, device=self.device, error_feedback=cfg.communication.error_feedback, stats=self.stats_)
+        # The schedule: every collective of this engine goes through the dispatcher (dispatch.py: one
+        # ordered schedule). A thread of its own (CPU) when work should overlap the caller's.
+        self.dispatcher = Dispatcher(wire, threaded=self.traits.workers or (mode is Mode.SELECTIVE and
+                                                                           cfg.local.async_reconcile),
                                      timeout_s=cfg.fallback.timeout_s,
                                      check=check_requested(cfg.monitor.check_collectives))
-        self.wire.dispatch = self.dispatcher
-        self.sync_dtype = wire_dtype(cfg.sync.dtype if cfg.mode == Mode.SELECTIVE else cfg.communication.inter_dtype)
-        self.local_dtype = wire_dtype(cfg.local.dtype)
-        self.reconcile_interval = cfg.local.reconcile_interval
-        self.reconcile_dtype = wire_dtype(cfg.local.reconcile_dtype)
-        self.moments_dtype = wire_dtype(cfg.local.moments_dtype)
-        self._anchors: dict[int, dict] = {}
-        """Per fragment (0 without streaming): the last reconciled LOCAL values (keys, flat fp32,
-        outer momentum), identical on every rank."""
-        self._sanchors: dict[int, dict] = {}
-        """Per fragment: the last averaged LOCAL optimizer moments (keys, flat fp32), kept with a
-        lossy ``local.moments_dtype`` only: identical on every replica of each item."""
-        self._frag_reconciles: dict[int, int] = {}
-        """Reconciliations per fragment (the moment average is due at every ``moments_interval``-th)."""
+        wire.dispatch = self.dispatcher
+        sync = cfg.sync.dtype if cfg.mode == Mode.SELECTIVE else cfg.communication.inter_dtype
+        self.dispatcher.configure(mode=mode, sync_dtype=wire_dtype(sync), local_dtype=wire_dtype(cfg.local.dtype))
+        self.reconciler = Reconciler(cfg, self.policy, self.dispatcher, device=self.device)
+        """The reconciler: anchors, the average in flight, reconciliation counters (reconciler.py)."""
         self.step = 0
-        self.last_refresh = 0
-        self.reconciles = 0
-        self.all_synced = True
-        self.max_staleness = 0
-        self._pending: PendingAverage | None = None
         self._listeners: list[Callable[[Engine], None]] = []
-        self.levels = levels
-        self.can_regroup = can_regroup
-        """Whether adaptive regrouping may rebuild the groups (GroupedReducer only: a framework's
-        data-parallel layout is fixed at its start)."""
-        self.source: ReconcileSource | None = None
-        """The adapter's reconcile source of the latest step (used by adaptive level changes)."""
         self.adaptive = None
-        self._configure_dispatch()
         from ..wire.health import start_check
 
         # Every adapter builds an engine: the start-of-run check runs once per engine, in the schedule.
         self.call(lambda: start_check(self.groups), "start-of-run check")()  # verified once landed
 
-    def _configure_dispatch(self) -> None:
-        self.dispatcher.configure(mode=self.mode, sync_dtype=self.sync_dtype, local_dtype=self.local_dtype)
+    # ------------------------------------------------------------------ the parts' views
+
+    @property
+    def wire(self) -> Wire:
+        """The wire (wire.py): the dispatcher's, replaced there by a regrouping."""
+        return self.dispatcher.wire
+
+    @property
+    def groups(self):
+        """The process groups (the wire's)."""
+        return self.dispatcher.wire.groups
+
+    @property
+    def mode(self) -> Mode:
+        """The current mode (the schedule's; an adaptive level or a regrouping may change it)."""
+        return self.dispatcher.mode
+
+    @property
+    def sync_dtype(self) -> torch.dtype:
+        return self.dispatcher.sync_dtype
+
+    @property
+    def local_dtype(self) -> torch.dtype:
+        return self.dispatcher.local_dtype
 
     # ------------------------------------------------------------------ classes (policy.py)
 
@@ -202,25 +200,24 @@ class Engine(ReconcileMixin):
         """
         changed = False
         if groups is not None and groups is not self.groups:
-            self.groups = groups
-            self.wire = Wire(groups, device=self.device, error_feedback=self.cfg.communication.error_feedback,
-                             stats=self.stats_, chunk_numel=self.wire.chunk_numel)
-            self.wire.dispatch = self.dispatcher
-            self.dispatcher.set_wire(self.wire)
+            wire = Wire(groups, device=self.device, error_feedback=self.cfg.communication.error_feedback,
+                        stats=self.stats_, chunk_numel=self.wire.chunk_numel)
+            wire.dispatch = self.dispatcher
+            self.dispatcher.set_wire(wire)
             changed = True
+        new_mode, new_sync = self.mode, self.sync_dtype
         if mode is not None and mode != self.mode:
-            self.mode = Mode(mode)
+            new_mode = Mode(mode)
             changed = True
         if classes is not None and self.policy.set_classes(classes):
-            # a new LOCAL set (new fragments): its first reconciliation averages values exactly
-            self._anchors, self._sanchors = {}, {}
+            self.reconciler.reset_anchors()
             changed = True
         if reconcile_interval is not None:
-            self.reconcile_interval = int(reconcile_interval)
+            self.reconciler.interval = int(reconcile_interval)
         if sync_dtype is not None and wire_dtype(sync_dtype) != self.sync_dtype:
-            self.sync_dtype = wire_dtype(sync_dtype)
+            new_sync = wire_dtype(sync_dtype)
             changed = True
-        self._configure_dispatch()
+        self.dispatcher.configure(mode=new_mode, sync_dtype=new_sync, local_dtype=self.local_dtype)
         if changed:
             self.wire.reset_residuals()
             for fn in self._listeners:
@@ -242,7 +239,7 @@ class Engine(ReconcileMixin):
         """Re-rank on agreed scores; True when the classes changed. Only right after a blocking
         reconciliation. Phases: 1. this rank's scores (policy.py); 2. one fp64 SUM all-reduce over
         the DP group, / DP size; 3. classify on the agreed scores."""
-        self.last_refresh = self.step
+        self.policy.last_refresh = self.step
         if not self.selective:
             return False
         s = self.wire.agree(self.policy.local_scores(self.step).reshape(-1), "sum", cls="control")
@@ -303,25 +300,25 @@ class Engine(ReconcileMixin):
         classes when due; run the adaptive controller. Returns True on a reconciliation step.
         Collective over the DP group on reconciliation steps (the same steps on every rank)."""
         self.step += 1
-        self.source = source
+        rec = self.reconciler
+        rec.source = source
         did = False
         if self.selective:
-            if self._pending is not None:
-                self._apply_pending(source)
-            self.all_synced = not self.has_local()
-            frag = due_fragment(self.step, self.reconcile_interval, self._stream_k())
+            rec.apply_pending(source, self.step)
+            rec.all_synced = not self.has_local()
+            frag = rec.due(self.step)
             if frag is not None:
-                refresh = self.step - self.last_refresh >= self.cfg.importance.refresh_interval
+                refresh = self.policy.refresh_due(self.step)
                 promote = self.drift.wants_blocking(self.classes, self.numels)
                 if refresh or promote or not self.cfg.local.async_reconcile:
                     # Classes may change after this one: moments too, so a tensor turning SYNC
                     # carries identical optimizer state. A refresh re-ranks every tensor: all
                     # fragments; a promotion only among the fragment just averaged.
                     self._reconcile_blocking(source, moments=refresh or promote,
-                                             frag=None if refresh or self._stream_k() == 1 else frag)
+                                             frag=None if refresh or rec.stream_k() == 1 else frag)
                 else:
                     self.dispatcher.plan_window()  # every rank, whatever it has to send
-                    self._reconcile_async(source, frag)
+                    rec.launch(source, self.step, frag)
                 did = True
                 if refresh:
                     self.refresh_classes()
@@ -337,18 +334,45 @@ class Engine(ReconcileMixin):
         optimizer state is identical on all ranks."""
         if not self.selective:
             return
-        self.source = source
-        if self._pending is not None:
-            self._apply_pending(source)
-        if not blocking and self._stream_k() > 1:
+        rec = self.reconciler
+        rec.source = source
+        rec.apply_pending(source, self.step)
+        if not blocking and rec.stream_k() > 1:
             # one asynchronous average is in flight at a time, and one covers a fragment
             log.info("topo_align: step %d: reconcile(blocking=False) with local.stream_fragments = %d "
-                     "reconciles every fragment now, blocking", self.step, self._stream_k())
+                     "reconciles every fragment now, blocking", self.step, rec.stream_k())
             blocking = True
         if blocking:
             self._reconcile_blocking(source, moments=True)
         else:
-            self._reconcile_async(source)
+            rec.launch(source, self.step)
+
+    def _reconcile_blocking(self, source, *, moments: bool = False, frag: int | None = None) -> None:
+        """The reconciler averages now (fragment ``frag``, or every one); then the drift monitor may
+        promote or demote among what was averaged."""
+        done = self.reconciler.blocking(source, self.step, moments=moments, frag=frag)
+        # The replicas of what was just averaged are identical: the only moment a LOCAL tensor may
+        # become SYNC. A promoted (SYNC) tensor is identical everywhere, so it may turn LOCAL anytime.
+        promoted, demoted = self.drift.promotions(self.classes, self.numels, eligible=done)
+        if promoted or demoted:
+            self._log_promotion_bytes(promoted, demoted)
+            self.reconfigure(classes={n: (SYNC if n in promoted else LOCAL if n in demoted else c)
+                                      for n, c in self.classes.items()})
+
+    def _log_promotion_bytes(self, promoted: list[str], demoted: list[str]) -> None:
+        """What the change costs on the slow tier per step (SYNC every step on its wire instead of a
+        reconciliation every interval on the reconciliation wire; byte estimates, scales left out)."""
+        net = sum(self.numels[n] for n in promoted) - sum(self.numels[n] for n in demoted)
+        rec = self.reconciler
+        per = self.sync_dtype.itemsize - rec.dtype.itemsize / rec.interval
+        used = sum(self.numels[n] for n in self.drift.promoted)
+        log.info("topo_align: step %d: promoted tensors now %d elements (%.1f%% of the %.1f%% budget); this "
+                 "change adds about %.0f slow-tier bytes per step and rank", self.step, used,
+                 100 * used / max(1, self.drift.total_numel), 100 * self.drift.promote_fraction, net * per)
+
+    def drain(self) -> None:
+        """Wait for an in-flight asynchronous average (no new collective); keeps the correction."""
+        self.reconciler.drain()
 
     # ------------------------------------------------------------------ state and stats
 
@@ -361,23 +385,20 @@ class Engine(ReconcileMixin):
         applies the same correction at the same step as an uninterrupted one. Reconciling first
         (``reconcile()``, the frameworks' save) is what makes the replicas identical; without it
         this state is this rank's group's."""
-        pend = self._pending_state()
-        def to_cpu(d):
-            return None if d is None else {k: (v.cpu().clone() if torch.is_tensor(v) else v) for k, v in d.items()}
-
-        anchors = {f: to_cpu(a) for f, a in self._anchors.items()}
-        sanchors = {f: to_cpu(a) for f, a in self._sanchors.items()}
+        rec = self.reconciler.state_dict()  # first: it waits for the released chunks
         ctrl = self.adaptive
         mode, classes = self.mode, dict(self.classes)
         if ctrl is not None:
             mode = ctrl.base_mode
             if ctrl.saved_classes:
                 classes = dict(ctrl.saved_classes)
-        return {"format": ENGINE_STATE_FORMAT, "mode": str(mode), "step": self.step, "last_refresh": self.last_refresh,
-                "reconciles": self.reconciles, "all_synced": self.all_synced, "classes": classes,
+        # The keys and their order of ENGINE_STATE_FORMAT (a checkpoint of the previous release loads).
+        return {"format": ENGINE_STATE_FORMAT, "mode": str(mode), "step": self.step,
+                "last_refresh": self.policy.last_refresh, "reconciles": rec["reconciles"],
+                "all_synced": rec["all_synced"], "classes": classes,
                 "residuals": self.wire.residual_state(), "importance": self.importance.state_dict(),
-                "pending": pend, "anchors": anchors, "moments_anchors": sanchors,
-                "fragment_reconciles": dict(self._frag_reconciles), "max_staleness": self.max_staleness,
+                "pending": rec["pending"], "anchors": rec["anchors"], "moments_anchors": rec["moments_anchors"],
+                "fragment_reconciles": rec["fragment_reconciles"], "max_staleness": rec["max_staleness"],
                 "stats": self.stats_.state_dict(),
                 "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict()}
 
@@ -406,21 +427,8 @@ class Engine(ReconcileMixin):
         self.wire.load_residual_state(sd["residuals"])
         self.importance.load_state_dict(sd["importance"])
         self.step = int(sd["step"])
-        self.last_refresh = int(sd["last_refresh"])
-        self.reconciles = int(sd.get("reconciles", 0))
-        self.all_synced = bool(sd["all_synced"])
-        self.max_staleness = int(sd["max_staleness"])
-        def to_dev(d):
-            return None if d is None else {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in d.items()}
-
-        self._pending = PendingAverage.from_state(sd.get("pending"), self.device)
-        # states of 0.2 and older: one anchor (fragment 0) and one reconciliation counter
-        anchors = sd.get("anchors", {0: sd.get("anchor")})
-        sanchors = sd.get("moments_anchors", {0: sd.get("moments_anchor")})
-        self._anchors = {int(f): to_dev(a) for f, a in anchors.items() if a is not None}
-        self._sanchors = {int(f): to_dev(a) for f, a in sanchors.items() if a is not None}
-        self._frag_reconciles = {int(f): int(n) for f, n in
-                                 sd.get("fragment_reconciles", {0: self.reconciles}).items()}
+        self.policy.last_refresh = int(sd["last_refresh"])
+        self.reconciler.load_state_dict(sd)
         self.stats_.load_state_dict(sd["stats"])
         self.drift.load_state_dict(sd.get("drift"))
         if ctrl is not None:
@@ -433,12 +441,12 @@ class Engine(ReconcileMixin):
         out.update({
             "mode": str(self.mode), "configured_mode": self.cfg.mode, "optimizer_steps": self.step,
             "sync_dtype": str(self.sync_dtype).removeprefix("torch."),
-            "reconciles": self.reconciles,
+            "reconciles": self.reconciler.reconciles,
             "sync_tensors": sum(c == SYNC for c in self.classes.values()),
             "local_tensors": sum(c == LOCAL for c in self.classes.values()),
             "sync_elements": sync_el, "local_elements": sum(self.numels.values()) - sync_el,
             "sync_fraction": self.sync_fraction(), "intra_size": self.groups.intra_size,
-            "inter_size": self.groups.inter_size, "max_staleness": self.max_staleness,
+            "inter_size": self.groups.inter_size, "max_staleness": self.reconciler.max_staleness,
             "drift": self.drift.as_dict(),
             "schedule": self.schedule_summary(),
             "adaptive_level": None if self.adaptive is None else self.adaptive.level,
@@ -458,7 +466,7 @@ class Engine(ReconcileMixin):
         """Start the adaptive controller (``adaptive.enabled``) over the levels this adapter supports."""
         from ..adaptive.adaptive import AdaptiveController
 
-        self.adaptive = AdaptiveController(self, levels=self.levels)
+        self.adaptive = AdaptiveController(self, levels=self.traits.levels)
 
     def close(self) -> None:
         """Stop the dispatcher's thread. Issues no collective (frameworks close from ``__del__``): a
