@@ -13,6 +13,14 @@ import os
 import pytest
 
 CHECK_ENV = "TOPO_ALIGN_CHECK_COLLECTIVES"
+NOT_FAST = ("multirank", "emulated", "slow")
+"""Marks that keep a test out of the fast tier (pytest.ini declares them)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(item.get_closest_marker(m) for m in NOT_FAST):
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="module", autouse=True)

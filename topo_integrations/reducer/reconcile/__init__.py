@@ -1,8 +1,9 @@
-"""Reconciliation: what adapters hand over to be averaged across groups (`ReconcileItem`, the
-reconcile sources), which fragment is due at a step and the average in flight (`PendingAverage`),
-in `reconcile.py`; and the engine's reconciler part (`reconciler.py`: `Reconciler`, which owns the
-anchors, the average in flight and the reconciliation counters, and their state). Re-exported here,
-so ``topo_integrations.reducer.reconcile.fragments`` keeps working. It sits on the classes and the wire.
+"""Reconciliation: how the LOCAL tensors of the groups' replicas are averaged every few steps. What
+adapters hand over (`ReconcileItem`, the reconcile sources), which fragment is due at a step and the
+average in flight (`PendingAverage`) are in `reconcile.py`; the engine's reconciler part
+(`reconciler.py`: `Reconciler`) owns the anchors, the average in flight and the reconciliation
+counters, and their state. Re-exported here, so ``topo_integrations.reducer.reconcile.fragments``
+keeps working. It sits on the classes and the wire.
 """
 
 from .reconcile import (

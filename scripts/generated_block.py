@@ -1,0 +1,32 @@
+"""A generated block of a docs page: the text between two HTML-comment markers, rewritten by a
+script (``--write``) and compared by a test or ``--check``, so figures on a page are never copied
+by hand (scripts/design_layers.py, scripts/suite_times.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def current(doc: Path, begin: str, end: str) -> str | None:
+    """The block of ``doc`` from ``begin`` to ``end`` (markers included), or None without markers."""
+    text = doc.read_text(encoding="utf-8")
+    if begin not in text or end not in text:
+        return None
+    return text[text.index(begin): text.index(end) + len(end)]
+
+
+def write_or_check(doc: Path, begin: str, end: str, new: str, *, check: bool, command: str) -> int:
+    """Replace the block with ``new`` (or, with ``check``, only compare): 0 when the page holds
+    ``new`` afterwards, 1 with a line naming ``command`` when it has no block or a stale one."""
+    old = current(doc, begin, end)
+    if old is None:
+        print(f"{doc.name} has no generated block ({begin!r} ... {end!r})", file=sys.stderr)
+        return 1
+    if check:
+        if old != new:
+            print(f"{doc.name}: the generated block is stale; run {command}", file=sys.stderr)
+            return 1
+        return 0
+    doc.write_text(doc.read_text(encoding="utf-8").replace(old, new), encoding="utf-8")
+    return 0
