@@ -575,3 +575,43 @@ def test_modes_are_compared_as_enum_members(tmp_path):
     assert not bad, "compare with Mode members (topo_integrations.config.Mode), not strings:\n" + "\n".join(bad)
     stale = set(KNOWN_MODE_WORDS) - seen
     assert not stale, f"no longer occur; delete them from KNOWN_MODE_WORDS: {stale}"
+
+
+# -- every imported name exists ----------------------------------------------------------------------
+
+
+def _missing_names(paths: dict[str, Path]) -> list[str]:
+    """``from <package module> import name`` (module level or lazy, in the package, tests/ and
+    scripts/) where the module has no such attribute or submodule. A lazy import runs only on the
+    path that needs it, so a name moved away (the reducer's split) fails only there, at run time."""
+    import importlib
+
+    bad = []
+    for module, path in paths.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                target = ".".join(here[: len(here) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != PKG or target.endswith("__main__"):  # importing a __main__ runs it
+                continue
+            mod = importlib.import_module(target)
+            rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            for a in node.names:
+                if a.name != "*" and not hasattr(mod, a.name) and f"{target}.{a.name}" not in MODULES:
+                    bad.append(f"{rel}:{node.lineno}: {target} has no {a.name}")
+    return bad
+
+
+@pytest.mark.timeout(180)
+def test_every_imported_name_exists(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"def f():\n    from {PKG}.reducer.plan.groups import no_such_name\n")
+    assert _missing_names({"probe": probe}) == [f"probe.py:2: {PKG}.reducer.plan.groups has no no_such_name"]
+    outside = {f"tests.{p.stem}": p for p in sorted((ROOT / "tests").glob("*.py"))}
+    outside |= {f"scripts.{p.stem}": p for p in sorted((ROOT / "scripts").glob("*.py"))}
+    bad = _missing_names(MODULES | outside)
+    assert not bad, "imports of names that do not exist (moved or renamed):\n" + "\n".join(bad)
