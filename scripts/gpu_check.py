@@ -77,14 +77,14 @@ def _run_family(family: str, cases: list[str], args: argparse.Namespace) -> list
 def main(argv: list[str] | None = None) -> int:
     """Run the check; 0 when nothing failed (skips included), 1 otherwise."""
     args = _args(argv)
-    import torch
-
     wanted = [c for c in args.cases.split(",") if c]
     known = [c for cases in FAMILIES.values() for c in cases]
     unknown = [c for c in wanted if c not in known]
     if unknown:
         print(f"gpu_check: unknown case(s) {unknown}; expected some of {known}", file=sys.stderr)
         return 2
+    import torch  # after the refusal above: a mistyped case name answers at once, not after torch's import
+
     if args.device == "cuda" and not torch.cuda.is_available():
         _line("SKIP", "gpu-check", f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is "
                                    "False); nothing was run")

@@ -11,7 +11,10 @@ must exit 0 (or the status a ``# exits N`` comment on it names). Kept fast:
   with the entry point's ``--check-args``, as the launcher does (one interpreter start instead of two
   per command);
 * ``pytest`` commands get ``--collect-only`` (the named test files and options exist and import;
-  running them is the suite's own job);
+  running them is the suite's own job), and the ones that differ only in their test files are
+  collected together, in one interpreter: every file of every command in it, so each command's files
+  and options are checked as before, while the pytest start-up and the shared imports (torch,
+  DeepSpeed, megatron-core) are paid once instead of once per command;
 * SMALL_ARGS below shrinks the few others.
 
 A comment ``# not run by the docs test: REASON`` skips the rest of its block (as a line of its own)
@@ -189,6 +192,40 @@ def runnable(c: Command) -> str:
 
 COMMANDS = _all_commands()
 
+TEST_FILE = re.compile(r"^tests/[\w/]+\.py(::\S+)?$")
+
+
+def pytest_batch(run: str) -> tuple[tuple[str, ...], list[str]] | None:
+    """``(the command's words without its test files, its test files)`` for a plain pytest command
+    (no shell syntax beyond words), else None: commands with the same first part collect together."""
+    if not re.search(r"(^|[\s/])pytest\s", run + " ") or re.search(r"[;&|<>'\"$`()\\]", run):
+        return None
+    # OMP_NUM_THREADS=1 is in every documented command's environment already (_env): not a difference
+    words = [w for w in run.split() if w != "OMP_NUM_THREADS=1"]
+    files = [w for w in words if TEST_FILE.match(w)]
+    return (tuple(w for w in words if not TEST_FILE.match(w)), files) if files else None
+
+
+def _batches() -> dict[tuple[str, ...], list[str]]:
+    out: dict[tuple[str, ...], list[str]] = {}
+    for c in COMMANDS:
+        b = None if c.skip or c.flags_of or EXIT_RE.search(c.text) else pytest_batch(runnable(c))
+        if b is not None:
+            files = out.setdefault(b[0], [])
+            files += [f for f in b[1] if f not in files]
+    return out
+
+
+BATCHES = _batches()
+
+
+def batched_command(key: tuple[str, ...]) -> str:
+    """The one pytest command that collects every file of the batch ``key``: the pytest words (and
+    environment assignments) before the files, all the files, then the options."""
+    words = list(key)
+    at = next(i for i, w in enumerate(words) if re.search(r"(^|/)pytest$", w)) + 1
+    return " ".join(words[:at] + BATCHES[key] + words[at:])
+
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
@@ -240,8 +277,16 @@ def _params():
         yield pytest.param(c, id=c.id, marks=marks)
 
 
+_BATCH_RUNS: dict[tuple[str, ...], tuple[str, subprocess.CompletedProcess]] = {}
+
+
+def _run(run: str, scratch: Path, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", run], cwd=scratch, env=_env(scratch), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)  # the first command of a pytest batch collects the whole batch
 @pytest.mark.parametrize("cmd", _params())
 def test_documented_command_runs(cmd: Command, scratch: Path):
     if cmd.skip:
@@ -255,8 +300,17 @@ def test_documented_command_runs(cmd: Command, scratch: Path):
     if cmd.flags_of:
         _check_training_flags(cmd, run, scratch, want)
         return
-    proc = subprocess.run(["bash", "-c", run], cwd=scratch, env=_env(scratch), capture_output=True, text=True,
-                          timeout=140)
+    batch = pytest_batch(run)
+    if batch is not None and batch[0] in BATCHES and want == 0:
+        if batch[0] not in _BATCH_RUNS:
+            merged = batched_command(batch[0])
+            _BATCH_RUNS[batch[0]] = (merged, _run(merged, scratch, timeout=280))
+        run, proc = _BATCH_RUNS[batch[0]]
+        assert all(f.split("::")[0] in proc.stdout for f in batch[1]) or proc.returncode != 0, (
+            f"{cmd.id}: the batched collection lists none of the tests of some of {batch[1]}\n$ {run}\n"
+            f"--- stdout (tail)\n{proc.stdout[-2000:]}")
+    else:
+        proc = _run(run, scratch, timeout=280)
     assert proc.returncode == want, (
         f"{cmd.id}: the documented command exited {proc.returncode} (expected {want})\n$ {run}\n"
         f"--- stdout (tail)\n{proc.stdout[-2000:]}\n--- stderr (tail)\n{proc.stderr[-3000:]}")
@@ -299,6 +353,14 @@ def test_docs_have_runnable_commands_and_the_parser_sees_them():
         "tests/test_sim.py -q --collect-only -q -p no:cacheprovider")
     assert training_flags("time bash scripts/pretrain_gpt_megatron.sh --skip-setup --nproc-per-node 2 --resume") \
         == ("megatron", ["--resume"])
+    # pytest commands that differ only in their files collect in one run of all of them
+    a = pytest_batch("OMP_NUM_THREADS=1 .venv/bin/pytest tests/a.py tests/b.py --collect-only -q")
+    assert a == ((".venv/bin/pytest", "--collect-only", "-q"), ["tests/a.py", "tests/b.py"])
+    assert pytest_batch(".venv/bin/pytest tests/c.py --collect-only -q")[0] == a[0]
+    assert pytest_batch("X=1 .venv/bin/pytest tests/c.py -q")[0] != a[0]
+    assert pytest_batch("cd x && pytest tests/a.py") is None and pytest_batch("topo-align plan") is None
+    assert {f for files in BATCHES.values() for f in files} == {
+        w for c in COMMANDS if not c.skip and (b := pytest_batch(runnable(c))) for w in b[1]}
     launched = [c for c in COMMANDS if training_flags(runnable(c)) and not c.flags_of and not c.skip]
     assert sorted(training_flags(runnable(c))[0] for c in launched) == ["deepspeed", "megatron"]
 
