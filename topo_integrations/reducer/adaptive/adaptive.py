@@ -374,7 +374,7 @@ class AdaptiveController:
         the groups and the groups the rails: wins when the intra tier is the congested one, e.g. a
         degraded island link). Both are measured by the same probe, no other groups are built."""
         from ...topology import plan_groups
-        from ..plan.groups import gather_hostnames_topology
+        from ..plan.planning import gather_hostnames_topology
         from ..wire.health import probe_groups, tier_gbps
 
         r = self.engine

@@ -53,7 +53,8 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
     Only an engine whose data-parallel group is the whole world can be regrouped here.
     ``engine`` may be a GroupedReducer (its engine is used).
     """
-    from ..plan.groups import broadcast_plan, build_groups
+    from ..plan.groups import build_groups
+    from ..plan.planning import broadcast_plan
 
     engine = getattr(engine, "engine", engine)
     g = engine.groups
