@@ -5,9 +5,10 @@ the 2-core machine than most of the checks they run, so the modules listed in :d
 their rank function (``fn(rank, world)``, unchanged) one after the other inside one world, and each
 module's fixture takes its own part's per-rank results from :func:`results`.
 
-Only the parts of modules that the session selected run (``pytest tests/test_dispatch.py`` runs the
-dispatch part alone). Every part starts from the environment, ``topo_align`` logger and torch seed
-the world started with, behind a barrier, so no part sees another's settings or clock skew. A rank
+Only the parts of modules with a selected test that takes the part run (``pytest
+tests/test_dispatch.py`` runs the dispatch part alone). Every part starts from the environment,
+``topo_align`` logger and torch seed the world started with, behind a barrier, so no part sees
+another's settings or clock skew. A rank
 that fails still fails every rank (run_world), and every module sharing the world then reports that
 failure, naming the part that raised.
 """
@@ -68,7 +69,9 @@ def _main(rank: int, world: int, parts: list) -> list:
 def results(request, module: str) -> list:
     """Per-rank results of ``module``'s part; the first call runs every selected part not yet run."""
     if module not in _done:
-        selected = {getattr(getattr(item, "module", None), "__name__", None) for item in request.session.items}
+        # modules with a selected test that takes its part (a fixture of these names calls results())
+        selected = {getattr(getattr(item, "module", None), "__name__", None) for item in request.session.items
+                    if {"world", "world4", "faithful"} & set(getattr(item, "fixturenames", ()))}
         parts = [p for p in PARTS if (p[0] in selected or p[0] == module) and p[0] not in _done]
         from topo_integrations.testing import run_world
 
