@@ -21,6 +21,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import _world4
 import pytest
 import torch
 
@@ -257,24 +258,26 @@ def _faithful(rank, world):
 
 
 @pytest.fixture(scope="module")
-def faithful():
-    from topo_integrations.testing import run_world
-
-    return run_world(4, _faithful, timeout=200, env={"OMP_NUM_THREADS": "1", DEFERRED_ENV: "1"})
+def faithful(request):
+    # _faithful, in the suite's shared 4-rank world, with TOPO_ALIGN_DEFERRED_COMPLETION=1 for its part
+    return _world4.results(request, "test_completion")
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_deferred_hierarchical_equals_flat_mean(faithful):
     assert all(r["hier_rel"] <= 1e-6 for r in faithful), [r["hier_rel"] for r in faithful]
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_deferred_selective_keeps_the_invariants_every_step(faithful):
     assert all(r["sync_tensors"] >= 1 for r in faithful)
     assert [r["violations"] for r in faithful] == [[], [], [], []]
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_deferred_shipped_defaults_reduce_on_the_int8_wire_and_agree_every_step(faithful):
     for r in faithful:
         assert r["int8_wire"] == ("torch.int8", 0)
@@ -286,11 +289,13 @@ def test_deferred_shipped_defaults_reduce_on_the_int8_wire_and_agree_every_step(
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_state_dict_on_rank0_alone_issues_no_collective(faithful):
     assert faithful[0]["pending_saved"] and faithful[0]["rank0_state_s"] < 5.0
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_state_saved_mid_average_resumes_bitwise(faithful):
     # saved mid-average: the chunks that fitted the measured pre-SYNC window had run, the rest held
     assert all(r["chunks"][0] is not None and r["chunks"][0] < r["chunks"][1] for r in faithful), \
@@ -301,29 +306,38 @@ def test_state_saved_mid_average_resumes_bitwise(faithful):
 def _fault(rank, world, fault):
     """Ranks 0-2 train; rank 3 misbehaves at step 2 (``fault``). Survivors report the error and
     how long after the step began it came."""
+    import datetime
+
     import torch.distributed as dist
 
     model, red, opt = _setup(rank, "selective")
     for step in range(2):
         _step(model, red, opt, step, rank)
+    # A rank that never calls or stalls stays alive (silent) until every survivor has its answer,
+    # and no longer: the survivors tell it through the job's store.
+    store = dist.distributed_c10d._get_default_store()
+    done = [f"completion/{fault}/done/{r}" for r in range(3)]
     if rank == 3:
         if fault == "never_calls":
-            time.sleep(TIMEOUT_S + 4)
+            store.wait(done, datetime.timedelta(seconds=TIMEOUT_S + 60))
             return {"fault": fault}
         if fault == "dies":
             dist.destroy_process_group()  # every connection closes, as when the process dies
             return {"fault": fault}
         if fault == "stalls":  # the SYNC buckets go, then nothing (a link cut mid-step)
             model(_batch(2, rank)).pow(2).mean().backward()
-            time.sleep(TIMEOUT_S + 4)
+            store.wait(done, datetime.timedelta(seconds=TIMEOUT_S + 60))
             return {"fault": fault}
     t0 = time.perf_counter()
     try:
         _step(model, red, opt, 2, rank)
         _step(model, red, opt, 3, rank)
-        return {"error": None}
+        out = {"error": None}
     except CollectiveError as exc:
-        return {"error": str(exc), "after_s": time.perf_counter() - t0}
+        out = {"error": str(exc), "after_s": time.perf_counter() - t0}
+    if fault != "dies":
+        store.set(done[rank], "1")
+    return out
 
 
 @pytest.mark.multirank

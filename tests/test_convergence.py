@@ -1,7 +1,8 @@
 """Convergence of `selective` vs `flat` (shortened GPT comparison of scripts/convergence.py) and the
 drift monitor (reducer/classes/drift.py), on 4 gloo ranks in 2 groups (2 faked nodes x 2 ranks).
 
-The ranks start once for the module; `_rank_main` runs every scenario and returns what the tests
+The ranks start once, in the suite's shared 4-rank world (tests/_world4.py);
+`_rank_main` runs every scenario and returns what the tests
 assert on.
 """
 
@@ -12,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import _world4
 import pytest
 import torch
 import torch.distributed as dist
@@ -139,15 +141,14 @@ def _rank_main(rank, world):
 
 
 @pytest.fixture(scope="module")
-def world():
-    from topo_integrations.testing import run_world
-    return run_world(4, _rank_main, timeout=280)
+def world(request):
+    return _world4.results(request, "test_convergence")  # _rank_main, in the suite's shared 4-rank world
 
 
 # ---------------------------------------------------------------------------- drift monitor
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_drift_matches_reference_and_agrees(world):
     ref = world[0]["blocking"]["ref"]
     assert ref and all(v > 0 for v in ref.values())
@@ -163,7 +164,7 @@ def test_drift_matches_reference_and_agrees(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_async_drift_measures_the_same_snapshot(world):
     # same trajectory up to step 3: the async snapshot is the blocking reconciliation's input
     a, b = world[0]["async"]["history"], world[0]["blocking"]["history"]
@@ -173,7 +174,7 @@ def test_async_drift_measures_the_same_snapshot(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_promotion_within_budget_after_blocking_reconciliation(world):
     res = [world[r]["promote"] for r in range(4)]
     p = res[0]
@@ -265,7 +266,7 @@ def test_demotion_displaces_the_weakest_promotion_only_by_the_margin():
 # ---------------------------------------------------------------------------- convergence (shortened)
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_default_selective_within_3_percent_of_flat_on_gpt(world):
     flat, sel = world[0]["flat"], world[0]["selective-default"]
     assert flat["mode"] == "flat" and sel["mode"] == "selective"

@@ -1,7 +1,8 @@
 """The DDP comm hook (topo_integrations/torch/ddp_hook.py) on 4 gloo ranks (2 faked nodes x 2 ranks),
 with real ``DistributedDataParallel`` and the collective-order check on in every rank.
 
-The ranks start once for the module; `_rank_main` runs every scenario and returns what the test
+The ranks start once, in the suite's shared 4-rank world (tests/_world4.py);
+`_rank_main` runs every scenario and returns what the test
 functions assert on.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import _world4
 import pytest
 import torch
 import torch.distributed as dist
@@ -213,16 +215,14 @@ def _rank_main(rank, world):
 
 
 @pytest.fixture(scope="module")
-def world():
-    from topo_integrations.testing import run_world
-
-    return run_world(4, _rank_main, timeout=150,
-                     env={"OMP_NUM_THREADS": "1", "TOPO_ALIGN_CHECK_COLLECTIVES": "1"})
+def world(request):
+    # _rank_main, in the suite's shared 4-rank world (the collective-order check is on there: conftest)
+    return _world4.results(request, "test_ddp_hook")
 
 
 # ---------------------------------------------------------------------------- assertions
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 @pytest.mark.parametrize("mode", ["flat", "hierarchical", "unused"])
 def test_hook_equals_ddp_allreduce(world, mode):
     for res in world:
@@ -232,7 +232,7 @@ def test_hook_equals_ddp_allreduce(world, mode):
         assert r["grad_rel"] <= 1e-6 and r["param_rel"] <= 1e-6, r
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_selective_hook_equals_grouped_reducer_bitwise(world):
     for res in world:
         r = res["selective"]
@@ -241,7 +241,7 @@ def test_selective_hook_equals_grouped_reducer_bitwise(world):
         assert r["reconcile_bytes"] > 0
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_selective_invariants_every_step(world):
     for res in world:
         r = res["selective"]
@@ -253,7 +253,7 @@ def test_selective_invariants_every_step(world):
     assert all(res["selective"]["norms"] == world[0]["selective"]["norms"] for res in world)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_refusals_name_what_is_wrong(world):
     assert world[0]["refusals"]["not_ddp"].startswith("TopoAlignHookState needs a "
                                                       "torch.nn.parallel.DistributedDataParallel model, got Toy")

@@ -11,6 +11,8 @@ One world, many checks (each rank runs them in the same order):
   4. the probe through the Megatron adapter's group path with two data-parallel groups (TP = 2);
   5. a malformed node on rank 3: every rank raises the same TopologyError naming rank 3;
   6. rank 3 never joins: ranks 0-2 raise TopologyTimeout naming rank 3 within fallback.timeout_s.
+
+`_worker` runs as the last part of the suite's shared 4-rank world (tests/_world4.py).
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ import os
 import time
 from pathlib import Path
 
+import _world4
 import pytest
 
-from topo_integrations.testing import run_world
-
-pytestmark = [pytest.mark.multirank, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(_world4.TIMEOUT)]
 
 NODES = Path(__file__).resolve().parent / "fixtures" / "nodes"
 
@@ -41,6 +42,8 @@ def _plan_of(plan) -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -81,19 +84,26 @@ def _worker(rank: int, world: int) -> dict:
     # 6. rank 3 does not answer
     _as(rank, ("nodeA-2x200", "nodeB-1x100"))
     short = TopoAlignConfig.model_validate({"fallback": {"timeout_s": 3}})
-    if rank == 3:
-        time.sleep(6)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 3:  # absent until every other rank has given up on it (no longer than that)
+        store.wait([f"discovery_world/timed_out/{r}" for r in range(3)], datetime.timedelta(seconds=60))
         return out
     t0 = time.monotonic()
     try:
         discover_plan(short)
     except TopologyTimeout as exc:
         out["timeout"] = (str(exc), time.monotonic() - t0)
+    store.set(f"discovery_world/timed_out/{rank}", "1")
     return out
 
 
-def test_discovery_in_a_replayed_four_rank_job():
-    res = run_world(4, _worker, timeout=240)
+@pytest.fixture(scope="module")
+def world(request):
+    return _world4.results(request, "test_discovery_world")
+
+
+def test_discovery_in_a_replayed_four_rank_job(world):
+    res = world
     for r in res:  # every rank returns the same plans
         assert r["hetero"] == res[0]["hetero"] and r["flat"] == res[0]["flat"]
     het = res[0]["hetero"]

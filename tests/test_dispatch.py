@@ -2,7 +2,7 @@
 
 Unit part: the release rules, fail-fast and bounded waits on a dispatcher whose buckets are plain
 functions (no collective: the logic is isolated), and :func:`compare` on hand-made traces.
-Multi-rank part (4 gloo ranks as 2 nodes x 2, one world for the module): the real engine's
+Multi-rank part (4 gloo ranks as 2 nodes x 2, in the suite's shared world, tests/_world4.py): the real engine's
 schedule seen through the fingerprints (SYNC first, LOCAL after, reconciliation after every bucket
 of the next step), the per-step cross-rank check raising on every rank when one rank's trace differs,
 the start-of-run check, and the schedule figures.
@@ -15,6 +15,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import _world4
 import pytest
 import torch
 
@@ -167,13 +168,12 @@ def _rank_main(rank, world):
 
 
 @pytest.fixture(scope="module")
-def world():
-    from topo_integrations.testing import run_world
-
-    return run_world(4, _rank_main, timeout=120, env={"OMP_NUM_THREADS": "1"})
+def world(request):
+    return _world4.results(request, "test_dispatch")  # _rank_main, in the suite's shared 4-rank world
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_start_of_run_check_touches_every_communicator(world):
     for r in world:
         assert r["start_check"] and all(op.startswith("all_reduce(start-of-run check") for op in r["start_check"])
@@ -181,6 +181,7 @@ def test_start_of_run_check_touches_every_communicator(world):
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_sync_first_then_local_then_reconciliation(world):
     for r in world:
         for step, seq in enumerate(r["kinds"]):
@@ -196,12 +197,14 @@ def test_sync_first_then_local_then_reconciliation(world):
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_divergent_trace_raises_on_every_rank(world):
     for r in world:
         assert r["diverged"] is not None and "intra group (global ranks 2, 3)" in r["diverged"], r["diverged"]
 
 
 @pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_schedule_figures_split_steps_by_reconciliation_in_flight(world):
     for r in world:
         s = r["schedule"]

@@ -1,6 +1,7 @@
 """Reducer groups and collectives on 4 gloo ranks (faked 2 nodes x 2 ranks via TOPO_ALIGN_HOSTNAME).
 
-The ranks start once for the module; `collective_checks` runs every check on one layout and returns
+The ranks start once, in the suite's shared 4-rank world (tests/_world4.py);
+`collective_checks` runs every check on one layout and returns
 numbers that the test functions assert on. The 8-rank module reuses it for groups of 2 and 4.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import _world4
 import pytest
 import torch
 import torch.distributed as dist
@@ -313,11 +315,11 @@ def _rank_main(rank, world):
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, _rank_main, timeout=150, env={"OMP_NUM_THREADS": "1"})
+def world4(request):
+    return _world4.results(request, "test_reducer_collectives")  # _rank_main, in the shared 4-rank world
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 @pytest.mark.parametrize("layout", ["A", "B", "C"])
 def test_groups_follow_hostnames(world4, layout):
     want_intra = {"A": [(0, 1), (0, 1), (2, 3), (2, 3)], "B": [(0, 2), (1, 3), (0, 2), (1, 3)],
@@ -368,7 +370,7 @@ def assert_collectives(results: list[dict]) -> None:
                                                                           c["sync_int8_no_ef_err"])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 @pytest.mark.parametrize("layout", ["A", "B", "C"])
 def test_collectives_match_reference(world4, layout):
     assert_collectives([res[layout] for res in world4])
@@ -376,12 +378,12 @@ def test_collectives_match_reference(world4, layout):
         assert all(res["C"]["reducer_steps"] == 4 for res in world4)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_single_node_is_not_hierarchical(world4):
     assert all("one island holds all 4 ranks" in res["single_reason"] for res in world4)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_unequal_layout_refused_with_planner_message(world4):
     want = None
     try:
@@ -392,7 +394,7 @@ def test_unequal_layout_refused_with_planner_message(world4):
     assert [res["unequal"] for res in world4] == [want] * 4
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_file_source(world4):
     for res in world4:
         assert "the topology has 12 ranks but the data-parallel group has 4" in res["file_mismatch"]

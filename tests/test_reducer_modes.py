@@ -1,6 +1,7 @@
 """GroupedReducer on 4 gloo ranks (2 faked nodes x 2 ranks): modes, invariants, bytes, state.
 
-The ranks start once for the module; `_rank_main` runs every scenario and returns what the test
+The ranks start once, in the suite's shared 4-rank world (tests/_world4.py);
+`_rank_main` runs every scenario and returns what the test
 functions assert on.
 """
 
@@ -11,6 +12,7 @@ import logging
 import math
 import os
 
+import _world4
 import pytest
 import torch
 import torch.distributed as dist
@@ -564,6 +566,7 @@ def s_fallback(rank, world):
 
 def s_timeout(rank, world, groups_unused):
     """A collective that cannot complete ends in CollectiveError within the group timeout."""
+    import datetime
     import time
 
     from topo_integrations.reducer import build_groups, discover_plan
@@ -572,15 +575,18 @@ def s_timeout(rank, world, groups_unused):
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     g = build_groups(discover_plan(cfg_of()), timeout_s=2.0)
     dist.barrier()
-    if rank == 3:
-        time.sleep(5)  # absent from the collective below, alive
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 3:  # absent from the collective below, alive, until every other rank has given up
+        store.wait([f"reducer_modes/timeout/{r}" for r in range(3)], datetime.timedelta(seconds=60))
         return {"skipped": True}
     t0 = time.monotonic()
     try:
         hierarchical_all_reduce(torch.ones(64), g)
-        return {"error": None}
+        out = {"error": None}
     except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+        out = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    store.set(f"reducer_modes/timeout/{rank}", "1")
+    return out
 
 
 def _rank_main(rank, world):
@@ -608,15 +614,13 @@ def _rank_main(rank, world):
 
 
 @pytest.fixture(scope="module")
-def world():
-    from topo_integrations.testing import run_world
-
-    return run_world(4, _rank_main, timeout=240, env={"OMP_NUM_THREADS": "1"})
+def world(request):
+    return _world4.results(request, "test_reducer_modes")  # _rank_main, in the suite's shared 4-rank world
 
 
 # ---------------------------------------------------------------------------- assertions
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 @pytest.mark.parametrize("mode", ["flat", "hierarchical", "hier_no_overlap", "hier_no_hooks"])
 def test_gradients_equal_all_reduce_mean(world, mode):
     for res in world:
@@ -632,7 +636,7 @@ def test_gradients_equal_all_reduce_mean(world, mode):
         assert world[0]["grads"][mode]["from_hooks"] >= 1 and world[1]["grads"][mode]["from_hooks"] == 0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_selective_invariants_and_analytic_inter_bytes(world):
     r0 = world[0]["selective"]
     assert len(r0["measured"]) >= 30
@@ -644,12 +648,12 @@ def test_selective_invariants_and_analytic_inter_bytes(world):
     assert 0 < r0["sync_el"] < r0["sync_el"] + r0["local_el"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_top_fraction_one_equals_hierarchical(world):
     assert all(res["tf1"]["equal"] for res in world)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_fp16_wire_bytes_per_tier(world):
     L = 2
     for res in world:
@@ -662,7 +666,7 @@ def test_fp16_wire_bytes_per_tier(world):
             assert b["intra"]["sync"] == 2 * math.ceil(r["sync_el"] / L) * L * 4
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_async_reconcile_staleness_and_final_identity(world):
     for res in world:
         r = res["async"]
@@ -671,7 +675,7 @@ def test_async_reconcile_staleness_and_final_identity(world):
     assert any(res["async"]["differed_before"] for res in world)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_state_round_trip_bitwise(world):
     for res in world:
         for variant in ("values", "delta", "moments16"):
@@ -679,7 +683,7 @@ def test_state_round_trip_bitwise(world):
             assert res["state"][variant]["bitwise"], variant
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_delta_reconciliation_bf16_int8_moments_interval_moments_dtype_outer_momentum(world):
     """6 reconciliations in 12 steps (H = 2, asynchronous). fp32: values + both Adam moments every time
     (3 units of LOCAL parameter bytes each). bf16 deltas: the first one averages values in fp32 (no
@@ -702,7 +706,7 @@ def test_delta_reconciliation_bf16_int8_moments_interval_moments_dtype_outer_mom
         assert i8["bytes"] == 4 * n * (1 + 6) + 5 * (padded + 4 * padded // 256), (i8["bytes"], f["bytes"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_streaming_reconciliation_spreads_the_bytes_and_resumes_bitwise(world):
     for res in world:
         r = res["streaming"]
@@ -728,7 +732,7 @@ def test_streaming_reconciliation_spreads_the_bytes_and_resumes_bitwise(world):
     assert all(res["streaming"]["demote"] == world[0]["streaming"]["demote"] for res in world)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_schema_defaults_keep_the_invariants_and_resume_bitwise(world):
     for res in world:
         r = res["defaults"]
@@ -744,7 +748,7 @@ def test_schema_defaults_keep_the_invariants_and_resume_bitwise(world):
     assert all(res["defaults"]["moved"] == world[0]["defaults"]["moved"] for res in world)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 @pytest.mark.parametrize("method", ["magnitude", "hutchinson"])
 def test_importance_classes_change_only_after_reconciliation(world, method):
     for res in world:
@@ -756,7 +760,7 @@ def test_importance_classes_change_only_after_reconciliation(world, method):
     assert "needs a loss closure" in world[0]["importance"]["no_closure"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_agreement_helpers_and_consistency_error(world):
     for rank, res in enumerate(world):
         r = res["agree"]
@@ -766,7 +770,7 @@ def test_agreement_helpers_and_consistency_error(world):
         assert repr(r["name"]) in r["msg"] and "inside group 1" in r["msg"] and "DP positions 2 and 3" in r["msg"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_single_node_falls_back_to_flat_logged_once(world):
     for res in world:
         r = res["fallback"]
@@ -777,7 +781,7 @@ def test_single_node_falls_back_to_flat_logged_once(world):
         assert r["one_tier"]["rel"] <= 1e-6 and r["one_tier"]["rec_noop"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_collective_timeout_is_an_error_not_a_hang(world):
     for rank, res in enumerate(world[:3]):
         r = res["timeout"]

@@ -3,7 +3,7 @@
 restart recipe (torchrun --max-restarts + --resume) with an injected stall.
 
 The acceptance runs with real slow and cut links are in test_reliability_emulated.py.
-Budget: ~60 s on the 2-core machine (one 4-rank world, two torchrun jobs).
+Budget: ~60 s on the 2-core machine (its part of the suite's shared 4-rank world, tests/_world4.py; two torchrun jobs).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _world4
 import pytest
 
 from topo_integrations.config import AdaptiveConfig
@@ -349,14 +350,12 @@ def _auto_regroup(red, step, i, rank):
 
 
 @pytest.fixture(scope="module")
-def world():
-    from topo_integrations.testing import run_world
-
-    return run_world(4, _world, timeout=240)
+def world(request):
+    return _world4.results(request, "test_reliability")  # _world, in the suite's shared 4-rank world
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_levels_switch_consistently_and_keep_invariants(world):
     r0 = world[0]
     assert r0["levels"] == ["normal", "reconcile", "fp16", "flat"]
@@ -384,7 +383,7 @@ def test_levels_switch_consistently_and_keep_invariants(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_controller_adapts_to_injected_slow_link_deterministically(world):
     """The adaptation of the emulated slow-link run, with the link's measurements injected (SCRIPT):
     the exact levels, steps and logged reasons; the wire really changes (inter bytes halve in fp16,
@@ -418,7 +417,7 @@ def test_controller_adapts_to_injected_slow_link_deterministically(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_probes_gather_every_group(world):
     rows = world[0]["probe_rows"]
     assert all(w["probe_rows"] == rows for w in world) and [r["rank"] for r in rows] == [0, 1, 2, 3]
@@ -432,7 +431,7 @@ def test_probes_gather_every_group(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_probe_timeout_names_operation_group_and_ranks(world):
     # after the regrouping the rails are (0, 1) and (2, 3)
     assert world[0]["probe_error"] is None and world[1]["probe_error"] is None  # their rail was complete
@@ -443,7 +442,7 @@ def test_probe_timeout_names_operation_group_and_ranks(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_regroup_agrees_on_rank0_plan_and_stays_exact(world):
     got = [w["regrouped"] for w in world]
     assert [(g["intra"], g["inter"]) for g in got] == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]),
@@ -456,7 +455,7 @@ def test_regroup_agrees_on_rank0_plan_and_stays_exact(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_checkpoint_keeps_adaptive_level_and_configured_mode(world):
     for w in world:
         c = w["ckpt"]
@@ -468,7 +467,7 @@ def test_checkpoint_keeps_adaptive_level_and_configured_mode(world):
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(_world4.TIMEOUT)
 def test_adaptive_regroup_triggers_at_check_and_all_ranks_agree(world):
     got = [w["auto"] for w in world]
     # the step at which each check ran, and rank 0's choice, are the same everywhere

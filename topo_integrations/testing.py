@@ -26,6 +26,10 @@ import torch.multiprocessing as mp
 __all__ = ["WorldError", "run_world", "free_port"]
 
 
+TEARDOWN_GRACE_S = 2.0
+"""How long all ranks together get to exit on their own once every result has arrived."""
+
+
 class WorldError(RuntimeError):
     """A rank failed, died or the world timed out; the message holds the first failure."""
 
@@ -118,8 +122,12 @@ def run_world(
         for p in procs:
             if p.is_alive() and failure is not None:
                 p.kill()
+        # Every result is in: what is left is each rank's teardown (process group, interpreter exit),
+        # which nobody waits for. It takes seconds per world on a loaded 2-core machine, so ranks
+        # still tearing down after a short grace are killed.
+        grace = time.monotonic() + TEARDOWN_GRACE_S
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, grace - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
