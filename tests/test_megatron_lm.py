@@ -28,7 +28,8 @@ PATCH = os.path.join(
     os.path.dirname(__file__), "..", "patches", "megatron-lm", "0001-ddp-impl-and-extra-args-chain.patch"
 )
 
-pytestmark = pytest.mark.skipif(MLM is None, reason=SKIP_REASON)
+# slow: every check starts processes that import Megatron-LM (not in the fast tier)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(MLM is None, reason=SKIP_REASON)]
 
 BOOTSTRAP = textwrap.dedent("""
     from topo_integrations.megatron import cpu_compat
