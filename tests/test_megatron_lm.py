@@ -1,6 +1,8 @@
 """topo-align against Megatron-LM's own training code (``megatron.training``, not in the wheel), one
-process per test: the parser (flags, ``--help``, bad values), install()/uninstall(), the launcher,
+process per check: the parser (flags, ``--help``, bad values), install()/uninstall(), the launcher,
 the version gate on the seams install() patches, and the source patch applying to core_v0.16.1.
+The parser, install() and launcher checks run in forks of one interpreter that imported Megatron-LM
+once (`_run_forked`); ``--help``, a bad value and the version gate run as a user types them.
 The multi-rank runs of ``pretrain_gpt.py`` are in tests/test_megatron_lm_train.py.
 
 The Megatron-LM tree: ``MEGATRON_LM=DIR``, else the vendored tarball unpacked into ``.cache/``
@@ -26,7 +28,8 @@ PATCH = os.path.join(
     os.path.dirname(__file__), "..", "patches", "megatron-lm", "0001-ddp-impl-and-extra-args-chain.patch"
 )
 
-pytestmark = pytest.mark.skipif(MLM is None, reason=SKIP_REASON)
+# slow: every check starts processes that import Megatron-LM (not in the fast tier)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(MLM is None, reason=SKIP_REASON)]
 
 BOOTSTRAP = textwrap.dedent("""
     from topo_integrations.megatron import cpu_compat
@@ -39,9 +42,50 @@ def _env(tree: str) -> dict[str, str]:
                 PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 
-def _run(code: str, *, cwd=None):
-    return subprocess.run([sys.executable, "-c", BOOTSTRAP + textwrap.dedent(code)], capture_output=True,
-                          text=True, env=_env(MLM), cwd=cwd, timeout=280)
+# Runs the snippets of the tests below in one interpreter that imports Megatron-LM's training code
+# once (seconds on 2 cores), each snippet in a fork of it: a process of its own, from the state a
+# fresh one has after ``import megatron.training`` (what each snippet's first statements import).
+FORKS = BOOTSTRAP + textwrap.dedent("""
+    import os, sys, threading, traceback
+    import megatron.training
+    import topo_integrations.megatron
+    assert threading.active_count() == 1, threading.enumerate()  # a fork copies this thread only
+    out_dir, names = sys.argv[1], sys.argv[2:]
+    for name in names:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for fd, stream in ((1, "out"), (2, "err")):
+                os.dup2(os.open(os.path.join(out_dir, f"{name}.{stream}"), os.O_WRONLY | os.O_CREAT), fd)
+            code = 0
+            try:
+                with open(os.path.join(out_dir, f"{name}.py"), encoding="utf-8") as fh:
+                    exec(compile(fh.read(), name, "exec"), {"__name__": "__main__"})
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        with open(os.path.join(out_dir, f"{name}.rc"), "w", encoding="utf-8") as fh:
+            fh.write(str(os.waitstatus_to_exitcode(status)))
+""")
+
+
+def _run_forked(snippets: dict[str, str], out_dir) -> dict[str, subprocess.CompletedProcess]:
+    """``{name: code}`` -> ``{name: CompletedProcess}`` of each snippet run in its own fork (FORKS)."""
+    for name, code in snippets.items():
+        (out_dir / f"{name}.py").write_text(textwrap.dedent(code), encoding="utf-8")
+    driver = subprocess.run([sys.executable, "-c", FORKS, str(out_dir), *snippets], capture_output=True,
+                            text=True, env=_env(MLM), timeout=280)
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    return {name: subprocess.CompletedProcess(
+        name, int((out_dir / f"{name}.rc").read_text()), (out_dir / f"{name}.out").read_text(),
+        (out_dir / f"{name}.err").read_text()) for name in snippets}
 
 
 def _launch(tree: str, *args: str):
@@ -50,21 +94,7 @@ def _launch(tree: str, *args: str):
                            *args], capture_output=True, text=True, env=_env(tree), timeout=280)
 
 
-@pytest.mark.timeout(120)
-def test_patch_applies_to_core_v0_16_1():
-    # The unpacked tree may sit inside this checkout (.cache/): stop git from finding the project's
-    # repository above it, so the patch's paths are read relative to the tree.
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(os.path.abspath(MLM)))
-    out = subprocess.run(["git", "apply", "--check", "-v", os.path.abspath(PATCH)], cwd=MLM,
-                         capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    for f in ("megatron/training/arguments.py", "megatron/training/training.py", "pretrain_gpt.py"):
-        assert f"Checking patch {f}..." in out.stderr + out.stdout
-
-
-@pytest.mark.timeout(300)
-def test_megatron_lm_parser_accepts_every_flag_and_rejects_bad_values():
-    code = """
+PARSER = """
         import json, sys
         from topo_integrations.megatron import install
         install()
@@ -81,24 +111,9 @@ def test_megatron_lm_parser_accepts_every_flag_and_rejects_bad_values():
                           "num_layers": on.num_layers}))
         sys.argv = ['pretrain_gpt.py', '--topo-align', '--topo-align-top-fraction', '2']
         arguments.parse_args()
-    """
-    out = _run(code)
-    assert out.returncode == 2, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["off"] is None and res["num_layers"] == 2
-    on = res["on"]
-    assert on["mode"] == "selective" and on["topology"]["file"] == "topo.json"
-    assert on["sync"]["last_n_layers"] == 3 and on["sync"]["top_fraction"] == 0.2
-    assert {k: on["local"][k] for k in ("dtype", "reconcile_interval", "async_reconcile")} == \
-        {"dtype": "fp32", "reconcile_interval": 8, "async_reconcile": True}
-    assert on["communication"]["inter_dtype"] == "fp32" and on["importance"]["method"] == "magnitude"
-    assert out.stderr.strip().splitlines()[-1] == \
-        "pretrain_gpt.py: error: argument --topo-align-top-fraction: got '2'; expected a number in [0, 1]"
+"""
 
-
-@pytest.mark.timeout(300)
-def test_install_swaps_ddp_only_with_the_flag_and_uninstall_restores():
-    code = """
+INSTALL = """
         import json, sys
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.training import arguments, global_vars, training
@@ -120,8 +135,68 @@ def test_install_swaps_ddp_only_with_the_flag_and_uninstall_restores():
         print(json.dumps({"seen": seen, "restored": training.get_model is probe,
                           "ddp_restored": training.DDP is DistributedDataParallel,
                           "cfg_restored": training.DistributedDataParallelConfig is DistributedDataParallelConfig}))
-    """
-    out = _run(code)
+"""
+
+ENTRY = """
+    import sys
+    from megatron.training import arguments
+    if __name__ == "__main__":
+        args = arguments.parse_args()
+        cfg = args.topo_align_resolved
+        print("MODE", cfg.mode if cfg else None, "ARGV0", sys.argv[0])
+"""
+
+LAUNCHER = """
+    import sys
+    from topo_integrations.megatron.__main__ import main
+    sys.exit(main([{script!r}, '--num-layers', '2', '--topo-align', '--topo-align-mode', 'hierarchical']))
+"""
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory):
+    """The parser, install() and launcher snippets, each in a process of its own (`_run_forked`);
+    the launcher's ``CompletedProcess.args`` is the entry script it ran."""
+    out_dir = tmp_path_factory.mktemp("mlm-forks")
+    script = out_dir / "entry.py"
+    script.write_text(textwrap.dedent(ENTRY), encoding="utf-8")
+    res = _run_forked({"parser": PARSER, "install": INSTALL, "launcher": LAUNCHER.format(script=str(script))},
+                      out_dir)
+    res["launcher"].args = script
+    return res
+
+
+@pytest.mark.timeout(120)
+def test_patch_applies_to_core_v0_16_1():
+    # The unpacked tree may sit inside this checkout (.cache/): stop git from finding the project's
+    # repository above it, so the patch's paths are read relative to the tree.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(os.path.abspath(MLM)))
+    out = subprocess.run(["git", "apply", "--check", "-v", os.path.abspath(PATCH)], cwd=MLM,
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    for f in ("megatron/training/arguments.py", "megatron/training/training.py", "pretrain_gpt.py"):
+        assert f"Checking patch {f}..." in out.stderr + out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_megatron_lm_parser_accepts_every_flag_and_rejects_bad_values(forked):
+    out = forked["parser"]
+    assert out.returncode == 2, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["off"] is None and res["num_layers"] == 2
+    on = res["on"]
+    assert on["mode"] == "selective" and on["topology"]["file"] == "topo.json"
+    assert on["sync"]["last_n_layers"] == 3 and on["sync"]["top_fraction"] == 0.2
+    assert {k: on["local"][k] for k in ("dtype", "reconcile_interval", "async_reconcile")} == \
+        {"dtype": "fp32", "reconcile_interval": 8, "async_reconcile": True}
+    assert on["communication"]["inter_dtype"] == "fp32" and on["importance"]["method"] == "magnitude"
+    assert out.stderr.strip().splitlines()[-1] == \
+        "pretrain_gpt.py: error: argument --topo-align-top-fraction: got '2'; expected a number in [0, 1]"
+
+
+@pytest.mark.timeout(300)
+def test_install_swaps_ddp_only_with_the_flag_and_uninstall_restores(forked):
+    out = forked["install"]
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["seen"][0] == ["TopoAlignDDP", "TopoAlignDDPConfig", ["topo_align_resolved", "topo_align_groups"]]
@@ -130,22 +205,8 @@ def test_install_swaps_ddp_only_with_the_flag_and_uninstall_restores():
 
 
 @pytest.mark.timeout(300)
-def test_launcher_runs_an_entry_script_with_the_flags(tmp_path):
-    script = tmp_path / "entry.py"
-    script.write_text(textwrap.dedent("""
-        import sys
-        from megatron.training import arguments
-        if __name__ == "__main__":
-            args = arguments.parse_args()
-            cfg = args.topo_align_resolved
-            print("MODE", cfg.mode if cfg else None, "ARGV0", sys.argv[0])
-    """))
-    code = f"""
-        import sys
-        from topo_integrations.megatron.__main__ import main
-        sys.exit(main([{str(script)!r}, '--num-layers', '2', '--topo-align', '--topo-align-mode', 'hierarchical']))
-    """
-    out = _run(code)
+def test_launcher_runs_an_entry_script_with_the_flags(forked):
+    out, script = forked["launcher"], forked["launcher"].args
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"MODE hierarchical ARGV0 {script}" in out.stdout
 

@@ -87,7 +87,11 @@ class Run:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+    # TORCH_COMPILE_DISABLE: Megatron-LM warms its torch.compile fusions up at start (initialize.py,
+    # _warmup_jit_function) although the --no-*-fusion flags keep them out of the model; compiling
+    # them on CPU costs seconds per rank. Disabled for every run alike (the stock reference too), so
+    # the runs compute what they computed before.
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_COMPILE_DISABLE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), MLM, os.environ.get("PYTHONPATH")])))
     return env
 

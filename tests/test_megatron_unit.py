@@ -257,6 +257,7 @@ def test_every_key_is_documented_for_megatron():
     assert {r.key for r in REFUSALS} <= set(keys)
 
 
+@pytest.mark.slow  # starts a Python process
 @pytest.mark.timeout(60)
 def test_launcher_usage_errors_are_one_line():
     no_args = subprocess.run([sys.executable, "-m", "topo_integrations.megatron"], capture_output=True, text=True)
@@ -268,6 +269,7 @@ def test_launcher_usage_errors_are_one_line():
                                       "(expected a Megatron-LM entry script such as pretrain_gpt.py)")
 
 
+@pytest.mark.slow  # starts a Python process
 @pytest.mark.timeout(120)
 def test_cpu_compat_never_activates_when_cuda_is_available():
     code = (
