@@ -234,6 +234,7 @@ def test_launch_script_refuses_invalid_nccl_settings(env, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # starts the entry point, which imports torch and DeepSpeed before reading its flags
 @pytest.mark.timeout(120)
 def test_entry_point_bad_flag_is_one_line_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "topo_integrations.train.pretrain_deepspeed", "--runs-dir",
