@@ -1,8 +1,10 @@
 """Rank entry of tests/test_megatron_lm_train.py: Megatron-LM's own ``pretrain_gpt.py`` through the
 project's launcher (``topo_integrations.megatron.__main__.main``), with a probe around two of
-Megatron-LM's functions that records what the tests assert on. Started by torchrun:
+Megatron-LM's functions that records what the tests assert on. Started by torchrun, or as its own
+launcher that forks the ranks after importing Megatron-LM's training code once (`forked_ranks`):
 
     torchrun --nproc-per-node 4 tests/_megatron_lm_probe.py OUT_DIR pretrain_gpt.py ARGS...
+    python tests/_megatron_lm_probe.py --ranks 4 OUT_DIR pretrain_gpt.py ARGS...
 
 The probe never changes what the run computes; it only reads parameters and gathers them:
 
@@ -93,8 +95,8 @@ def _install_probe(out_dir: str) -> None:
     training.save_checkpoint = save_checkpoint
 
 
-def main() -> int:
-    out_dir, script, *rest = sys.argv[1:]
+def main(argv: list[str]) -> int:
+    out_dir, script, *rest = argv
     os.makedirs(out_dir, exist_ok=True)
     from topo_integrations.megatron import cpu_compat
     from topo_integrations.megatron.__main__ import main as launch
@@ -104,14 +106,65 @@ def main() -> int:
     return launch([script, *rest])
 
 
-if __name__ == "__main__":
-    code = main()
-    # Everything the tests read is written and closed. Run the exit handlers (multiprocessing's shuts
-    # the torch_dist writer's process manager down), then skip the interpreter's teardown of the
-    # Megatron and torch modules: seconds per rank on 2 cores, and nothing is asserted on it.
+def _rank(argv: list[str]) -> int:
+    """One rank: `main`, then the exit handlers (multiprocessing's shuts the torch_dist writer's
+    process manager down), then out without the interpreter's teardown of the Megatron and torch
+    modules (seconds per rank on 2 cores; everything the tests read is written and closed)."""
     import atexit
+    import traceback
 
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed, and the rank exits non-zero
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def forked_ranks(n: int, argv: list[str]) -> int:
+    """What ``torchrun --standalone --nproc-per-node n`` does for this probe, with the ranks forked
+    from this process after it imported Megatron-LM's training code once (4 interpreters importing
+    it cost tens of seconds on 2 cores). Each rank gets torchrun's variables; the first rank that
+    exits non-zero ends the others (a failing rank fails the run), and its status is returned."""
+    import signal
+    import threading
+
+    from topo_integrations.megatron import cpu_compat
+    from topo_integrations.testing import free_port
+
+    cpu_compat.apply_training()
+    import megatron.training  # noqa: F401 - the import the ranks share
+
+    assert threading.active_count() == 1, threading.enumerate()  # a fork copies this thread only
+    port, pids = free_port(), []
+    for rank in range(n):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(n),
+                              LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            _rank(argv)
+        pids.append(pid)
+    rc, left = 0, set(pids)
+    while left:
+        pid, status = os.wait()
+        left.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and rc == 0:
+            rc = code
+            for other in left:
+                os.kill(other, signal.SIGKILL)
+    return rc
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--ranks":
+        sys.exit(forked_ranks(int(sys.argv[2]), sys.argv[3:]))
+    _rank(sys.argv[1:])

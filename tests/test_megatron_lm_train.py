@@ -4,8 +4,10 @@ the launch script's ``--virtual-nodes``), a 2-layer GPT, 6 iterations of 2 micro
 
 Every run goes through the project's launcher (``python -m topo_integrations.megatron``, here via
 tests/_megatron_lm_probe.py, which records per-step invariants and the final parameters; one run
-through ``scripts/pretrain_gpt_megatron.sh --megatron-lm DIR``). Each run costs ~25 s on 2 cores
-(mostly 4 interpreters importing Megatron), so there are seven, each checked for several things:
+through ``scripts/pretrain_gpt_megatron.sh --megatron-lm DIR``, which uses torchrun). The probe forks
+its 4 ranks after importing Megatron-LM once, and every run has ``TORCH_COMPILE_DISABLE=1`` (see
+``_env``). A run still costs many seconds on 2 cores, so there are seven, each checked for several
+things:
 
 =========== ============================================== ===========================================
 run         what                                           checked
@@ -111,8 +113,10 @@ def run(tmp_path_factory):
 
     def probe(name: str, flags: list[str]) -> Run:
         out = base / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               str(PROBE), str(out), os.path.join(MLM, "pretrain_gpt.py"), *CPU, *MODEL, *flags]
+        # The probe forks its 4 ranks after importing Megatron-LM once (torchrun's 4 interpreters
+        # each import it; the launch script's run below still goes through torchrun).
+        cmd = [sys.executable, str(PROBE), "--ranks", "4", str(out), os.path.join(MLM, "pretrain_gpt.py"),
+               *CPU, *MODEL, *flags]
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
         return Run(name, out, proc)
 
