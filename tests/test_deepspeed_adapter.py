@@ -336,33 +336,3 @@ def test_module_runner_installs_the_plugin_for_an_unchanged_script(tmp_path):
                           capture_output=True, text=True, env=env, timeout=110, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ROUTED topo_align.mode: got 'ring'" in proc.stdout and "['--x', '1']" in proc.stdout, proc.stdout
-
-
-def test_an_engine_without_muon_skips_the_muon_import(monkeypatch):
-    """compat.without_muon_import: DeepSpeed's ZeRO check imports its Muon module (torch's compiler,
-    3.5 s of CPU per process) only to list it; a None entry makes that import raise ImportError, which
-    DeepSpeed handles, for the one call, and never when the optimizer is Muon or the user opts out."""
-    import sys
-
-    from topo_integrations.deepspeed.compat import MUON_MODULE, without_muon_import
-
-    monkeypatch.delenv("TOPO_ALIGN_DS_MUON", raising=False)
-    monkeypatch.delitem(sys.modules, MUON_MODULE, raising=False)
-    import torch
-
-    with without_muon_import(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]), {"optimizer": {}}):
-        assert MUON_MODULE in sys.modules and sys.modules[MUON_MODULE] is None
-    assert MUON_MODULE not in sys.modules, "the None entry outlived the engine: a later Muon engine would fail"
-    for cfg in ({"optimizer": {"type": "Muon"}}, None):  # Muon by config; a config not read here
-        with without_muon_import(None, cfg):
-            assert MUON_MODULE not in sys.modules
-    monkeypatch.setenv("TOPO_ALIGN_DS_MUON", "1")
-    with without_muon_import(None, {}):
-        assert MUON_MODULE not in sys.modules
-
-    class MuonWithAuxAdam:  # a client optimizer of that name
-        pass
-
-    monkeypatch.delenv("TOPO_ALIGN_DS_MUON")
-    with without_muon_import(MuonWithAuxAdam(), {}):
-        assert MUON_MODULE not in sys.modules

@@ -43,16 +43,9 @@ the source patch and for ``install()``)."""
 
 
 def _call_stock(stock, kwargs):
-    from .compat import without_muon_import
-
-    try:
-        ds = _load(_resolve_config(kwargs.get("args"), kwargs.get("config"), kwargs.get("config_params")))
-    except Exception:  # noqa: BLE001 - DeepSpeed itself reports an unreadable config, below
-        ds = None
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
-        with without_muon_import(kwargs.get("optimizer"), ds):
-            return stock(**kwargs)
+        return stock(**kwargs)
     finally:
         _LOCAL.depth -= 1
 

@@ -8,19 +8,14 @@ with a message naming the method, what was expected and what was found.
 
 The CPU accelerator also JIT-compiles ``deepspeed_shm_comm`` (25-40 s) in every process that calls
 ``deepspeed.init_distributed``; the op only serves ``inference_all_reduce`` (AutoTP inference), never
-training, so :func:`skip_shm_comm_build` turns it off (docs/deepspeed.md). Likewise, every ZeRO
-engine imports DeepSpeed's Muon optimizer module only to add it to the supported list, and that
-import loads torch's compiler (3.5 s of CPU per process); :func:`without_muon_import` skips it for
-an engine whose optimizer is not Muon.
+training, so :func:`skip_shm_comm_build` turns it off (docs/deepspeed.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import os
-import sys
 from dataclasses import dataclass
 
 __all__ = [
@@ -30,8 +25,6 @@ __all__ = [
     "check_deepspeed",
     "deepspeed_version",
     "skip_shm_comm_build",
-    "without_muon_import",
-    "MUON_MODULE",
 ]
 
 # The releases whose seams were read; 0.19.8 is what CI runs (constraints.txt).
@@ -173,33 +166,3 @@ def skip_shm_comm_build() -> bool:
     # Editing the cached dict persists: build_shm_op reads it at every TorchBackend construction.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return True
-
-
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
-@contextlib.contextmanager
-def without_muon_import(optimizer=None, ds_config: dict | None = None):
-    """Build one engine without importing DeepSpeed's Muon optimizer module, when neither the client
-    ``optimizer`` nor the config's ``optimizer.type`` is Muon.
-
-    ``is_zero_supported_optimizer`` imports ``MUON_MODULE`` at every ZeRO engine only to add
-    ``MuonWithAuxAdam`` to the supported list, inside ``try/except ImportError``; the import
-    compiles its kernels (torch's compiler, 3.5 s of CPU per process on CPU). A ``None`` entry in
-    ``sys.modules`` makes that import raise ImportError, which DeepSpeed already handles; the entry
-    is removed when the engine is built, so a later engine with Muon imports it as usual. Set
-    ``TOPO_ALIGN_DS_MUON=1`` to keep DeepSpeed's behaviour."""
-    if not isinstance(ds_config, dict):  # unreadable here: DeepSpeed decides, as it always did
-        yield
-        return
-    opt_type = str((ds_config.get("optimizer") or {}).get("type", ""))
-    uses_muon = "muon" in type(optimizer).__name__.lower() or "muon" in opt_type.lower()
-    if uses_muon or os.environ.get("TOPO_ALIGN_DS_MUON") == "1" or MUON_MODULE in sys.modules:
-        yield
-        return
-    sys.modules[MUON_MODULE] = None
-    try:
-        yield
-    finally:
-        if sys.modules.get(MUON_MODULE, 0) is None:
-            del sys.modules[MUON_MODULE]

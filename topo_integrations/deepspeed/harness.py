@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from typing import Any
 
 import torch
@@ -27,12 +26,9 @@ __all__ = ["prepare_cpu", "Net", "ds_config", "topo_block", "make_optimizer", "t
 
 def prepare_cpu() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from .compat import MUON_MODULE, skip_shm_comm_build
+    from .compat import skip_shm_comm_build
 
     skip_shm_comm_build()
-    # The harness's stock engines too skip the Muon import (compat.without_muon_import): no test
-    # optimizer is Muon, and the import costs 3.5 s of CPU per rank.
-    sys.modules.setdefault(MUON_MODULE, None)
 
 
 def virtual_hostname(rank: int, per_node: int = 2) -> str:
