@@ -35,12 +35,34 @@ def rank_main(rank: int, world: int, tmpdir: str, runs_dir: str) -> dict:
 
     res = {"schedule": test_megatron_schedule.rank_checks(rank, world)}
     res.update(test_megatron_ddp.rank_checks(rank, world, tmpdir))
+    res["threads_before_pretrain"] = _close_engines()
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():  # pretrain_megatron initialises its own
         ps.destroy_model_parallel()
     res["pretrain"] = pretrain_runs(rank, world, PRETRAIN_MODULE, runs_dir)
     return res
+
+
+def _close_engines() -> tuple[int, int]:
+    """Close the TopoAlignDDP engines the checks left open (most do not close theirs): each keeps a
+    dispatcher and a watch thread polling every 20 ms, which the pretrain runs would share the 2 cores
+    with. Issues no collective (``topo_close``). Returns the thread count before and after."""
+    import gc
+    import threading
+    import time
+
+    from topo_integrations.megatron.ddp import TopoAlignDDP
+
+    before = threading.active_count()
+    for obj in gc.get_objects():
+        if isinstance(obj, TopoAlignDDP):
+            obj.topo_close()
+    deadline = time.monotonic() + 5  # the threads stop after the items already released
+    for t in threading.enumerate():
+        if t.name.startswith("topo_align"):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+    return before, threading.active_count()
 
 
 def megatron_world(tmp_path_factory) -> tuple[list[dict], str]:
@@ -54,7 +76,8 @@ def megatron_world(tmp_path_factory) -> tuple[list[dict], str]:
         except WorldError as exc:
             _cache["error"] = exc
         else:
-            print("megatron world timings (rank 0, s):", results[0]["timings"], results[0]["pretrain"]["_times"])
+            print("megatron world timings (rank 0, s):", results[0]["timings"], results[0]["pretrain"]["_times"],
+                  "threads before the pretrain runs (before, after closing):", results[0]["threads_before_pretrain"])
             _cache["results"] = (results, runs)
     if "error" in _cache:
         raise _cache["error"]
