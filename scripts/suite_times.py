@@ -72,11 +72,19 @@ def table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def block() -> str:
-    before = json.loads(BEFORE.read_text(encoding="utf-8"))
-    after = json.loads(AFTER.read_text(encoding="utf-8"))
-    fast = json.loads(FAST.read_text(encoding="utf-8"))
-    line = f"Fast tier (`-m fast`): {fast['label']}; {fast['tests']} tests, {fast['wall_s'] / 60:.1f} min."
+    """The generated block: the fast tier's line and the before/after table; a record not yet made
+    says so (a placeholder would be a copied figure)."""
+    before, after, fast = _read(BEFORE), _read(AFTER), _read(FAST)
+    line = ("Fast tier (`-m fast`): not recorded yet." if fast is None else
+            f"Fast tier (`-m fast`): {fast['label']}; {fast['tests']} tests, {fast['wall_s'] / 60:.1f} min.")
+    if after is None:
+        empty = {"label": "not recorded yet", "wall_s": 0.0, "tests": 0, "files": {}}
+        return f"{BEGIN}\n{line}\n\n{table(before, empty)}\n{END}"
     return f"{BEGIN}\n{line}\n\n{table(before, after)}\n{END}"
 
 

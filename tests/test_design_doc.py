@@ -57,6 +57,8 @@ def test_the_suite_times_table_comes_from_the_data_files():
     times = _script("suite_times")
     assert times.current() == times.block(), "docs/testing.md is stale: python scripts/suite_times.py --write"
     for path in (times.BEFORE, times.AFTER, times.FAST):
+        if not path.is_file():  # not recorded yet: the page says so (test above)
+            continue
         rec = json.loads(path.read_text(encoding="utf-8"))
         assert rec["tests"] == sum(f["tests"] for f in rec["files"].values())
 

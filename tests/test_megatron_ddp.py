@@ -1,7 +1,6 @@
 """TopoAlignDDP on the real megatron-core GPTModel, 4 gloo ranks on CPU, 2 virtual nodes x 2.
 
-The ranks are started once (a world shared with test_megatron_schedule.py and
-test_pretrain_megatron.py, tests/_megatron_world.py); ``rank_checks`` runs every configuration and
+The ranks are started once (module fixture); the rank function runs every configuration and
 returns plain results that the tests below assert on. Virtual nodes: ``TOPO_ALIGN_HOSTNAME`` is
 ``node0`` for ranks 0-1 and ``node1`` for ranks 2-3 (the reducer's gathered-hostnames source).
 """
@@ -11,10 +10,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from _megatron_world import TEST_TIMEOUT_S, WORLD, megatron_world
+
+from topo_integrations.testing import run_world
 
 pytestmark = pytest.mark.multirank
 
+WORLD = 4
 TOL = 1e-6
 
 
@@ -522,8 +523,7 @@ def _fallbacks(rank, spec, tmpdir):
     return out
 
 
-def rank_checks(rank, world, tmpdir):
-    """This module's checks on one rank of the shared world (tests/_megatron_world.py)."""
+def _rank_main(rank, world, tmpdir):
     os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"
     import time
 
@@ -592,15 +592,18 @@ def rank_checks(rank, world, tmpdir):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    # Most of the time goes to importing megatron-core in 4 processes on 2 shared cores: the ranks
-    # are shared with test_megatron_schedule.py and test_pretrain_megatron.py.
-    return megatron_world(tmp_path_factory)[0]
+    tmpdir = str(tmp_path_factory.mktemp("megatron"))
+    # Most of the time goes to importing megatron-core in 4 processes on 2 shared cores.
+    results = run_world(WORLD, _rank_main, tmpdir, timeout=900,
+                        env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    print("megatron world timings (rank 0, s):", results[0]["timings"])
+    return results
 
 
 GRAD_CASES = ["plain_sync", "plain_overlap", "distopt_sync", "distopt_overlap"]
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", GRAD_CASES)
 def test_hierarchical_main_grad_equals_stock_megatron(world, case):
     for rank, res in enumerate(world):
@@ -611,21 +614,21 @@ def test_hierarchical_main_grad_equals_stock_megatron(world, case):
         assert "inter" in r["stats"]["sync"] and "intra" in r["stats"]["sync"]
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["selective_tf1_plain", "selective_tf1_distopt"])
 def test_selective_with_top_fraction_1_equals_hierarchical(world, case):
     for res in world:
         assert max(res["grads"][case]["errs"]) <= TOL
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_grad_comparison_detects_group_only_reduction(world):
     # Negative control: everything LOCAL reduces inside the group only, so it differs from stock.
     for res in world:
         assert min(res["grads"]["negative_all_local"]["errs"]) > 1e-3
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["expert_like_plain", "expert_like_distopt"])
 def test_hierarchical_expert_buffers(world, case):
     for res in world:
@@ -634,7 +637,7 @@ def test_hierarchical_expert_buffers(world, case):
         assert max(r["errs"]) <= TOL, r["errs"]
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["moe_distopt"])
 def test_moe_dense_and_expert_parameters(world, case):
     for res in world:
@@ -646,7 +649,7 @@ def test_moe_dense_and_expert_parameters(world, case):
         assert max(r["errs"]) <= TOL, r["errs"]
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["selective_distopt", "selective_plain"])
 def test_selective_invariants_every_step(world, case):
     recs = [res[case]["recs"] for res in world]
@@ -670,14 +673,14 @@ def test_selective_invariants_every_step(world, case):
     assert world[0][case]["last_refresh"] == 24 and world[0][case]["fisher_updates"] > 0
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["selective_distopt", "selective_plain"])
 def test_selective_loss_decreases(world, case):
     losses = [r["loss"] for r in world[0][case]["recs"]]
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_selective_sends_less_across_groups(world):
     for case in ("selective_distopt", "selective_plain"):
         st = world[0][case]["stats"]
@@ -686,14 +689,14 @@ def test_selective_sends_less_across_groups(world):
         assert st["reconcile"]["inter"]["bytes"] > 0
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_overflow_skip_agrees_across_groups(world):
     for res in world:
         assert res["skip"]["all_oks"] == [[True, True, False, True]] * WORLD
         assert res["skip"]["finite"]
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["checkpoint", "checkpoint_async"])
 def test_checkpoint_reconciles_and_carries_reducer_state(world, case):
     for res in world:
@@ -705,7 +708,7 @@ def test_checkpoint_reconciles_and_carries_reducer_state(world, case):
     assert not all(res[case]["without_state"] for res in world)
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_distributed_optimizer_needs_one_instance_per_group(world):
     for res in world:
         msg = res["errors"]["distopt_k1"]
@@ -714,7 +717,7 @@ def test_distributed_optimizer_needs_one_instance_per_group(world):
         assert "--num-distributed-optimizer-instances 2" in msg
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["no_config", "flat", "disabled", "one_node"])
 def test_stock_when_off_flat_or_one_tier(world, case):
     for res in world:
@@ -731,7 +734,7 @@ ENGINE_CASES = ["async_plain", "async_distopt", "adaptive_plain", "adaptive_dist
                 "no_overlap_plain", "stream_distopt"]
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ENGINE_CASES)
 def test_engine_features_keep_invariants_every_step(world, case):
     for res in world:
@@ -743,7 +746,7 @@ def test_engine_features_keep_invariants_every_step(world, case):
     assert any(not rec["all_same"] for rec in r0["recs"]), case  # positive control: LOCAL did drift
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["async_plain", "async_distopt"])
 def test_async_reconcile_overlaps_with_staleness_one(world, case):
     for res in world:
@@ -754,7 +757,7 @@ def test_async_reconcile_overlaps_with_staleness_one(world, case):
         assert "inter" not in r["stats"].get("local", {})
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["async_plain", "async_distopt", "adaptive_checks_plain"])
 def test_every_collective_on_topo_groups_goes_through_collectives_run(world, case):
     for res in world:
@@ -764,7 +767,7 @@ def test_every_collective_on_topo_groups_goes_through_collectives_run(world, cas
         assert r["spy_wrong_thread"] == [], r["spy_wrong_thread"]  # one issuing thread: the dispatcher's
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["adaptive_plain", "adaptive_distopt"])
 def test_adaptive_level_applies_to_megatron_reduction(world, case):
     for res in world:
@@ -773,7 +776,7 @@ def test_adaptive_level_applies_to_megatron_reduction(world, case):
         assert r["interval"] == 8  # the reconcile level (4 x 2) accumulates under fp16
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["drift_plain", "drift_distopt"])
 def test_drift_promotion_moves_tensors_to_sync(world, case):
     promoted = {str(res["engine"][case]["promoted"]) for res in world}
@@ -783,7 +786,7 @@ def test_drift_promotion_moves_tensors_to_sync(world, case):
     assert world[0]["engine"][case]["sync_dtype"] == ("torch.int8" if case == "drift_distopt" else "torch.bfloat16")
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_moment_shards_average_on_the_bf16_delta_wire(world):
     """delta_distopt sets local.moments_dtype bf16: after the first exact moment average the
     distributed optimizer's moment shards crossed as deltas with error feedback (residuals kept per
@@ -793,14 +796,14 @@ def test_moment_shards_average_on_the_bf16_delta_wire(world):
         assert res["engine"]["async_distopt"]["moments_residuals"] == []
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_hutchinson_refresh_from_the_captured_megatron_loss(world):
     for res in world:
         r = res["engine"]["hutchinson_plain"]
         assert r["hutchinson_refreshes"] >= 2  # refreshes at steps 2 and 4 differentiated the model's loss
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", ["async_plain", "last_layer_overlap_plain"])
 def test_local_buckets_leave_during_backward_with_overlap(world, case):
     """--overlap-grad-reduce: every LOCAL bucket is released before Megatron's finish_grad_sync
@@ -819,14 +822,14 @@ def test_local_buckets_leave_during_backward_with_overlap(world, case):
             assert all(r["local_released_before_last_bucket"] > 0 for r in rel), rel
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_local_buckets_without_overlap_go_in_finish_grad_sync(world):
     for res in world:
         for r in res["engine"]["no_overlap_plain"]["releases"]:
             assert r["local"] > 0 and r["local_released_before"] == 0 and r["sync_released_before"] == 0, r
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 def test_distributed_optimizer_shards_leave_during_backward(world):
     """The distributed optimizer carries LOCAL ranges in the island reduce-scatter of a SYNC item:
     no LOCAL item, every item released from the hooks (after the first batch)."""
@@ -835,7 +838,7 @@ def test_distributed_optimizer_shards_leave_during_backward(world):
             assert r["local"] == 0 and r["sync"] > 0 and r["sync_released_before"] == r["sync"], r
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("dist_opt", [False, True])
 def test_auto_sync_at_four_islands(world, dist_opt):
     """The `auto` SYNC keys through Megatron DDP at 4 groups: what the engine took, and invariant 1

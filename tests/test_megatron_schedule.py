@@ -1,7 +1,6 @@
 """One schedule per process: several engines issue through one order, one trace, one watch.
 
-4 gloo ranks (2 virtual nodes x 2; the world shared with test_megatron_ddp.py,
-tests/_megatron_world.py), ``monitor.check_collectives`` on:
+4 gloo ranks (2 virtual nodes x 2), ``monitor.check_collectives`` on:
 
 * Megatron: two model chunks (as virtual-pipeline chunks are: one `TopoAlignDDP` each, one
   `GroupSet`, one Megatron optimizer over both), the second with expert buffers, ``selective`` with
@@ -19,9 +18,10 @@ import os
 
 import pytest
 import torch
-from _megatron_world import TEST_TIMEOUT_S, WORLD, megatron_world
 
-pytestmark = [pytest.mark.timeout(TEST_TIMEOUT_S), pytest.mark.multirank]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multirank]
+
+WORLD = 4
 
 
 def _gather(v):
@@ -43,23 +43,6 @@ def _invariants(chunk) -> dict:
 
 
 def _megatron(rank):
-    from topo_integrations.reducer.schedule import dispatch
-
-    compared = []
-    real = dispatch.compare
-
-    def spy(traces, *, step):
-        compared.append(sum(len(t) for t in traces.values()))
-        return real(traces, step=step)
-
-    dispatch.compare = spy
-    try:
-        return _megatron_chunks(rank, compared)
-    finally:
-        dispatch.compare = real  # the ranks go on with other checks (tests/_megatron_world.py)
-
-
-def _megatron_chunks(rank, compared):
     import threading
 
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -71,7 +54,16 @@ def _megatron_chunks(rank, compared):
     from topo_integrations.megatron.groups import GroupSet
     from topo_integrations.megatron.optimizer import prepare_optimizer
     from topo_integrations.megatron.testing import TinyGPT, batch_for, build_gpt, init_parallel
+    from topo_integrations.reducer.schedule import dispatch
 
+    compared = []
+    real = dispatch.compare
+
+    def spy(traces, *, step):
+        compared.append(sum(len(t) for t in traces.values()))
+        return real(traces, step=step)
+
+    dispatch.compare = spy
     cfg = TopoAlignConfig.model_validate({
         "mode": "selective", "sync": {"last_n_layers": 1, "top_fraction": 0.1},
         "local": {"reconcile_interval": 2, "async_reconcile": True},
@@ -160,14 +152,10 @@ def _two_reducers(rank):
     except CollectiveOrderError as exc:
         out["diverged"] = str(exc)
     out["comms"] = sorted(out["comms"])
-    for r in (ra, rb):  # stop the dispatcher thread: the ranks go on with other checks
-        r.engine.close()
     return out
 
 
-def rank_checks(rank, world):
-    """This module's checks on one rank of the shared world (tests/_megatron_world.py, where they
-    run first: a fresh process holds no dispatcher thread yet)."""
+def _rank_main(rank, world):
     from topo_integrations.megatron import cpu_compat
     from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
 
@@ -177,9 +165,10 @@ def rank_checks(rank, world):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    # The ranks are shared with test_megatron_ddp.py and test_pretrain_megatron.py.
-    return [r["schedule"] for r in megatron_world(tmp_path_factory)[0]]
+def world():
+    from topo_integrations.testing import run_world
+
+    return run_world(WORLD, _rank_main, timeout=280, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_megatron_chunks_share_one_schedule_and_one_thread(world):

@@ -1,27 +1,28 @@
 """``topo_integrations.train.pretrain_megatron`` (megatron-core on CPU, TopoAlignDDP) on 4 gloo ranks
 (2 virtual nodes x 2): every mode briefly, output files, and an interrupted run resumed from its
-per-rank checkpoint (tests/_pretrain_world.py). The runs go last on the ranks that
-test_megatron_ddp.py and test_megatron_schedule.py use (tests/_megatron_world.py)."""
+per-rank checkpoint (tests/_pretrain_world.py)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from _megatron_world import TEST_TIMEOUT_S, megatron_world
 
-from _pretrain_world import assert_mode_runs, csv_losses, ok
+from topo_integrations.testing import run_world
+
+from _pretrain_world import assert_mode_runs, csv_losses, ok, rank_main
 
 pytestmark = pytest.mark.multirank
+MODULE = "topo_integrations.train.pretrain_megatron"
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    results, runs = megatron_world(tmp_path_factory)
-    return [r["pretrain"] for r in results], runs
+    runs = str(tmp_path_factory.mktemp("mg-runs"))
+    return run_world(4, rank_main, MODULE, runs, timeout=540), runs
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name, reducer", [("selective", True), ("hierarchical", True), ("flat", False),
                                            ("stock", False)])
 def test_mode_trains_and_reports_bytes(world, name, reducer):
@@ -31,7 +32,7 @@ def test_mode_trains_and_reports_bytes(world, name, reducer):
     assert s["mode"] == name and s["framework"] == "megatron-core"
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(600)
 def test_per_rank_checkpoints_and_tensorboard(world):
     results, runs = world
     d = os.path.join(runs, "selective")
@@ -43,7 +44,7 @@ def test_per_rank_checkpoints_and_tensorboard(world):
     assert sorted(os.listdir(os.path.join(d, "checkpoints"))) == ["latest", "step_0000004", "step_0000006"]
 
 
-@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.timeout(600)
 def test_resume_continues_from_the_last_checkpoint_exactly(world):
     results, runs = world
     assert ok(results, "killed") == {"stopped_at": 5}
