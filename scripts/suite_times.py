@@ -41,14 +41,21 @@ def record(xml: Path, label: str) -> dict:
         mod = case.get("classname", "").split(".")
         # classname is "tests.test_x" or "tests.test_x.TestClass"
         name = next((f"{'/'.join(mod[:i + 1])}.py" for i, p in enumerate(mod) if p.startswith("test_")), "?")
-        f = files.setdefault(name, {"tests": 0, "seconds": 0.0, "skipped": 0, "failed": 0})
+        f = files.setdefault(name, {"tests": 0, "seconds": 0.0, "cpu_s": 0.0, "skipped": 0, "failed": 0})
         f["tests"] += 1
         f["seconds"] += float(case.get("time", 0.0))
+        # tests/conftest.py's per-test CPU seconds (pytest and the children it waited for)
+        f["cpu_s"] += sum(float(p.get("value", 0.0)) for p in case.iter("property") if p.get("name") == "cpu_s")
         f["skipped"] += case.find("skipped") is not None
         f["failed"] += case.find("failure") is not None or case.find("error") is not None
+    # a run without tests/conftest.py's property (an older checkout) records no CPU seconds at all
+    has_cpu = any(p.get("name") == "cpu_s" for p in suite.iter("property"))
     for f in files.values():
-        f["seconds"] = round(f["seconds"], 1)
-    return {"label": label, "wall_s": round(float(suite.get("time", 0.0)), 1),
+        f["seconds"], f["cpu_s"] = round(f["seconds"], 1), round(f["cpu_s"], 1)
+        if not has_cpu:
+            del f["cpu_s"]
+    cpu = {"cpu_s": round(sum(f["cpu_s"] for f in files.values()), 1)} if has_cpu else {}
+    return {"label": label, "wall_s": round(float(suite.get("time", 0.0)), 1), **cpu,
             "tests": sum(f["tests"] for f in files.values()), "files": dict(sorted(files.items()))}
 
 
@@ -56,19 +63,25 @@ def table(before: dict, after: dict) -> str:
     names = sorted(set(before["files"]) | set(after["files"]),
                    key=lambda n: (-before["files"].get(n, {}).get("seconds", 0.0), n))
 
-    def cell(rec: dict, n: str) -> tuple[str, str]:
+    def cell(rec: dict, n: str) -> tuple[str, str, str]:
         f = rec["files"].get(n)
-        return ("-", "-") if f is None else (str(f["tests"]), f"{f['seconds']:.1f}")
+        if f is None:
+            return "-", "-", "-"
+        return str(f["tests"]), f"{f['seconds']:.1f}", (f"{f['cpu_s']:.1f}" if "cpu_s" in f else "-")
+
+    def total_cpu(rec: dict) -> str:
+        return f"{rec['cpu_s']:.1f}" if "cpu_s" in rec else "-"
 
     lines = [f"Before: {before['label']}; {before['tests']} tests, {before['wall_s'] / 60:.1f} min.",
              f"After: {after['label']}; {after['tests']} tests, {after['wall_s'] / 60:.1f} min.", "",
-             "| file | tests before | s before | tests after | s after |", "| --- | ---: | ---: | ---: | ---: |"]
+             "CPU s: user + system seconds of pytest and the processes it waited for (tests/conftest.py); "
+             "unlike wall seconds they hardly move with the machine's load. `-`: not recorded.", "",
+             "| file | tests before | s before | CPU s before | tests after | s after | CPU s after |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n in names:
-        tb, sb = cell(before, n)
-        ta, sa = cell(after, n)
-        lines.append(f"| {n} | {tb} | {sb} | {ta} | {sa} |")
-    lines.append(f"| **total** | {before['tests']} | {before['wall_s']:.1f} | {after['tests']} "
-                 f"| {after['wall_s']:.1f} |")
+        lines.append("| " + " | ".join([n, *cell(before, n), *cell(after, n)]) + " |")
+    lines.append(f"| **total** | {before['tests']} | {before['wall_s']:.1f} | {total_cpu(before)} | {after['tests']} "
+                 f"| {after['wall_s']:.1f} | {total_cpu(after)} |")
     return "\n".join(lines)
 
 

@@ -9,10 +9,15 @@ CollectiveOrderError at the first divergence (docs/reducer.md, "One schedule"). 
 from __future__ import annotations
 
 import os
+import resource
 
 import pytest
 
 CHECK_ENV = "TOPO_ALIGN_CHECK_COLLECTIVES"
+CPU_PROPERTY = "cpu_s"
+"""JUnit property of every test: CPU seconds (user + system) of pytest and of every child it waited
+for, from its setup to its teardown. Unlike wall time it hardly moves with the machine's load, so
+scripts/suite_times.py records it beside the seconds (docs/testing.md)."""
 NOT_FAST = ("multirank", "emulated", "slow")
 """Marks that keep a test out of the fast tier (pytest.ini declares them)."""
 
@@ -37,3 +42,25 @@ def _check_collectives(request):
         os.environ.pop(CHECK_ENV, None)
     else:
         os.environ[CHECK_ENV] = old
+
+
+def _cpu_s() -> float:
+    # children: every process pytest waited for (rank processes, torchrun and its workers, commands)
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _cpu_at_start[nodeid] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown":
+        start = _cpu_at_start.pop(item.nodeid, None)
+        if start is not None:
+            outcome.get_result().user_properties.append((CPU_PROPERTY, round(_cpu_s() - start, 2)))
+
+
+_cpu_at_start: dict[str, float] = {}

@@ -57,17 +57,23 @@ def test_auto_sync_follows_the_group_count():
         [("bf16", 0.15)] + [("int8", 1.0)] * 5
     assert resolve_sync("fp32", "auto", 8) == ("fp32", 1.0) and resolve_sync("auto", 0.3, 2) == ("int8", 0.3)
     cfg = TopoAlignConfig.from_block({"mode": "selective", "local": {"reconcile_interval": 4}})
-    with pytest.raises(ConfigError) as err:
-        resolved_config(cfg, 8)
-    assert str(err.value) == (
-        'topo_align: local.reconcile_interval set, but every tensor is SYNC (sync.top_fraction auto -> 1.0 at 8 '
-        'groups), so nothing is LOCAL for it to act on; set sync.top_fraction below 1 to keep a LOCAL class (e.g. '
-        '0.15 with sync.dtype bf16: docs/convergence.md, "Many islands") or remove it')
+    # issue 38: a LOCAL-class key set by the user keeps a LOCAL class under `auto`, at every group count
+    kept, note = resolved_config(cfg, 8)
+    assert (kept.sync.dtype, kept.sync.top_fraction, kept.local.reconcile_interval) == ("bf16", 0.15, 4)
+    assert kept.explicit_keys() == {"mode", "local.reconcile_interval"}
+    assert note.startswith(
+        "topo_align: sync.dtype auto -> bf16, sync.top_fraction auto -> 0.15 at 8 groups: local.reconcile_interval "
+        "set, so a LOCAL class is kept for it to act on (without LOCAL-class keys, from 2 groups on every tensor "
+        "is SYNC on the int8 wire); ")
+    card = resolved_config(TopoAlignConfig.from_block({"mode": "selective", "sync": {"last_n_layers": 2}}), 2)[0]
+    assert (card.sync.dtype, card.sync.top_fraction, card.sync.last_n_layers) == ("bf16", 0.15, 2)
     many = cfg.with_overrides({"sync.top_fraction": 1.0, "importance.method": "magnitude", "sync.last_n_layers": 2})
-    with pytest.raises(ConfigError, match=r"^topo_align: importance.method, local.reconcile_interval, "
-                       r"sync.last_n_layers set, but every tensor is SYNC \(sync.top_fraction = 1.0\), so nothing "
-                       r"is LOCAL for them to act on; .* or remove them$"):
+    with pytest.raises(ConfigError) as err:
         resolved_config(many, 2)
+    assert str(err.value) == (
+        "topo_align: importance.method, local.reconcile_interval, sync.last_n_layers set, but every tensor is SYNC "
+        "(sync.top_fraction = 1.0), so nothing is LOCAL for them to act on; set sync.top_fraction below 1 (or "
+        "leave it auto: auto keeps a LOCAL class when LOCAL-class keys are set) or remove them")
     assert resolved_config(many, 1)[0].sync.top_fraction == 1.0  # one group: flat, nothing selective acts
     assert resolved_config(many.with_overrides({"mode": "hierarchical"}), 4)[1] is None
     out, note = resolved_config(TopoAlignConfig.from_block({"mode": "selective"}), 8)
@@ -78,7 +84,7 @@ def test_auto_sync_follows_the_group_count():
                     'communication.bucket_size_mb auto -> 32 MiB at 8 groups (4 MiB per group: '
                     'fewer ring latencies per byte on a long rail, docs/costmodel.md section 5)')
     kept, _ = resolved_config(cfg.with_overrides({"sync.top_fraction": 0.15}), 8)
-    assert (kept.sync.dtype, kept.sync.top_fraction, kept.local.reconcile_interval) == ("int8", 0.15, 4)
+    assert (kept.sync.dtype, kept.sync.top_fraction, kept.local.reconcile_interval) == ("bf16", 0.15, 4)
     assert kept.explicit_keys() == {"mode", "local.reconcile_interval", "sync.top_fraction"}
     assert resolved_config(TopoAlignConfig.from_block({"mode": "selective"}), 4)[1].endswith('"Many islands")')
     one, note = resolved_config(TopoAlignConfig.from_block({"mode": "selective", "sync": {"dtype": "fp32"}}), 2)

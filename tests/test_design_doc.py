@@ -67,11 +67,21 @@ def test_a_junit_record_sums_per_file(tmp_path):
     times = _script("suite_times")
     xml = tmp_path / "j.xml"
     xml.write_text('<testsuites><testsuite time="12.5">'
-                   '<testcase classname="tests.test_a" name="x" time="1.25"/>'
+                   '<testcase classname="tests.test_a" name="x" time="1.25">'
+                   '<properties><property name="cpu_s" value="2.5"/></properties></testcase>'
                    '<testcase classname="tests.test_a.TestK" name="y" time="2.0"><skipped/></testcase>'
                    '<testcase classname="tests.test_b" name="z" time="3.0"><failure/></testcase>'
                    '</testsuite></testsuites>', encoding="utf-8")
     rec = times.record(xml, "label")
     assert rec["wall_s"] == 12.5 and rec["tests"] == 3
-    assert rec["files"]["tests/test_a.py"] == {"tests": 2, "seconds": 3.2, "skipped": 1, "failed": 0}
+    assert rec["files"]["tests/test_a.py"] == {"tests": 2, "seconds": 3.2, "cpu_s": 2.5, "skipped": 1, "failed": 0}
     assert rec["files"]["tests/test_b.py"]["failed"] == 1
+    assert rec["cpu_s"] == 2.5
+
+
+def test_every_test_reports_its_cpu_seconds(request):
+    """tests/conftest.py adds the CPU seconds of each test (self and waited-for children) to its
+    report, so the JUnit XML that scripts/suite_times.py reads carries them."""
+    import conftest
+
+    assert conftest.CPU_PROPERTY == "cpu_s" and conftest._cpu_s() > 0

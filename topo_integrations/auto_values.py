@@ -18,16 +18,22 @@ MANY_GROUPS = 2
 SYNC_AUTO: dict[bool, tuple[str, float]] = {False: ("bf16", 0.15), True: ("int8", 1.0)}
 
 
-def resolve_sync(dtype: str, top_fraction: float | str, n_groups: int) -> tuple[str, float]:
-    """``(sync.dtype, sync.top_fraction)`` with each ``"auto"`` taken at ``n_groups`` groups."""
-    d, f = SYNC_AUTO[n_groups >= MANY_GROUPS]
+def resolve_sync(dtype: str, top_fraction: float | str, n_groups: int, *,
+                 local_keys: bool = False) -> tuple[str, float]:
+    """``(sync.dtype, sync.top_fraction)`` with each ``"auto"`` taken at ``n_groups`` groups.
+
+    ``local_keys``: the user set a key that acts only through a LOCAL class (``LOCAL_CLASS_KEYS``);
+    `auto` then keeps one (the LOCAL-class values, bf16 / 0.15) at every group count, instead of
+    making every tensor SYNC and leaving the user's key nothing to act on."""
+    d, f = SYNC_AUTO[n_groups >= MANY_GROUPS and not local_keys]
     return (d if dtype == "auto" else dtype), float(f if top_fraction == "auto" else top_fraction)
 
 
 # Keys that act only through a LOCAL class: how tensors are ranked into it (importance.*, the
 # always-SYNC rules) and how it is reduced and reconciled (local.*). Where every tensor is SYNC they
-# have nothing to act on: the engine refuses them when the user set them (reducer/classes/auto_sync.py), and
-# a launcher's own defaults for them apply only where a LOCAL class can exist (keeps_local_class).
+# have nothing to act on. Set by the user, they make `auto` keep a LOCAL class (resolve_sync's
+# local_keys); with an explicit sync.top_fraction 1 the engine refuses them (reducer/classes/auto_sync.py).
+# A launcher's own defaults for them apply only where a LOCAL class can exist (keeps_local_class).
 LOCAL_CLASS_KEYS = ("local.", "importance.", "sync.last_n_layers", "sync.always_sync", "sync.layer_pattern")
 
 

@@ -31,9 +31,10 @@ def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfi
     became (None when nothing `auto` changed from its small-job value, or for the SYNC keys, when
     the mode is not `selective`).
 
-    Raises :class:`ConfigError` when every tensor is SYNC (``sync.top_fraction`` 1, set or `auto`)
-    in `selective` with a second tier and the user set keys that act only through a LOCAL class
-    (``LOCAL_CLASS_KEYS``): they would be accepted and ignored. Every rank plans the same group
+    Keys that act only through a LOCAL class (``LOCAL_CLASS_KEYS``), set by the user, make `auto`
+    keep a LOCAL class (bf16 / 0.15, logged). Raises :class:`ConfigError` when the user set them
+    beside an explicit ``sync.top_fraction`` 1 in `selective` with a second tier: they would be
+    accepted and ignored. Every rank plans the same group
     count, so every rank refuses alike (no rank left waiting in a collective).
     """
     notes = []
@@ -45,27 +46,32 @@ def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfi
                          "group: fewer ring latencies per byte on a long rail, docs/costmodel.md section 5)")
     s = cfg.sync
     auto = [k for k in ("dtype", "top_fraction") if getattr(s, k) == "auto"]
-    got = dict(zip(("dtype", "top_fraction"), resolve_sync(s.dtype, s.top_fraction, n_groups)))
     selective = cfg.mode == Mode.SELECTIVE
-    if selective and n_groups >= 2 and got["top_fraction"] >= 1.0:
-        _refuse_local_keys(cfg, n_groups, auto="top_fraction" in auto)
+    # keys that act only through a LOCAL class, set by the user: `auto` keeps one for them (issue 38)
+    local_keys = sorted(k for k in cfg.explicit_keys() if k.startswith(LOCAL_CLASS_KEYS))
+    got = dict(zip(("dtype", "top_fraction"),
+                   resolve_sync(s.dtype, s.top_fraction, n_groups, local_keys=bool(local_keys))))
+    if selective and n_groups >= 2 and got["top_fraction"] >= 1.0 and local_keys:
+        _refuse_local_keys(local_keys)
     if auto:
         cfg = _with(cfg, "sync", got)
         if selective:
-            notes.insert(0, f"{', '.join(f'sync.{k} auto -> {got[k]}' for k in auto)} at {n_groups} groups "
-                            f"(from {MANY_GROUPS} on, every tensor is SYNC on the int8 wire: docs/convergence.md, "
-                            "\"Many islands\")")
+            said = ", ".join(f"sync.{k} auto -> {got[k]}" for k in auto)
+            if local_keys and n_groups >= MANY_GROUPS and "top_fraction" in auto:
+                notes.insert(0, f"{said} at {n_groups} groups: {', '.join(local_keys)} set, so a LOCAL class "
+                                "is kept for it to act on (without LOCAL-class keys, from "
+                                f"{MANY_GROUPS} groups on every tensor is SYNC on the int8 wire)")
+            else:
+                notes.insert(0, f"{said} at {n_groups} groups (from {MANY_GROUPS} on, every tensor is SYNC on the "
+                                "int8 wire: docs/convergence.md, \"Many islands\")")
     return cfg, ("topo_align: " + "; ".join(notes)) if notes else None
 
 
-def _refuse_local_keys(cfg: TopoAlignConfig, n_groups: int, *, auto: bool) -> None:
-    """Refuse the LOCAL-class keys the user set when no tensor is LOCAL (see ``resolved_config``)."""
-    unused = sorted(k for k in cfg.explicit_keys() if k.startswith(LOCAL_CLASS_KEYS))
-    if not unused:
-        return
-    why = f"sync.top_fraction auto -> 1.0 at {n_groups} groups" if auto else "sync.top_fraction = 1.0"
+def _refuse_local_keys(unused: list[str]) -> None:
+    """Refuse the LOCAL-class keys the user set beside an explicit ``sync.top_fraction`` 1 (see
+    ``resolved_config``): every tensor is SYNC, so they would be accepted and ignored."""
     it = "it" if len(unused) == 1 else "them"
     raise ConfigError(
-        f"topo_align: {', '.join(unused)} set, but every tensor is SYNC ({why}), so nothing is LOCAL for {it} to "
-        "act on; set sync.top_fraction below 1 to keep a LOCAL class (e.g. 0.15 with sync.dtype bf16: "
-        f"docs/convergence.md, \"Many islands\") or remove {it}")
+        f"topo_align: {', '.join(unused)} set, but every tensor is SYNC (sync.top_fraction = 1.0), so nothing is "
+        f"LOCAL for {it} to act on; set sync.top_fraction below 1 (or leave it auto: auto keeps a LOCAL class "
+        f"when LOCAL-class keys are set) or remove {it}")
