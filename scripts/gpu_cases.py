@@ -1,62 +1,21 @@
-"""Rank-side cases of scripts/gpu_check.py: every adapter on 4 ranks (2 islands x 2), one result each.
+"""Rank-side adapter cases of scripts/gpu_check.py: every adapter on 4 ranks (2 islands x 2).
 
-Each family runs in its own world (``run_world``, NCCL with one GPU per rank, or gloo on CPU for the
-suite's check of this code): the models, configs and loops are the suite's own (tests/test_reducer_modes.py,
-tests/test_ddp_hook.py, topo_integrations/deepspeed/harness.py, tests/test_megatron_ddp.py). A case
-returns ``(status, detail)``; an exception is a FAIL naming it, and the family goes on with the next
-case. ``monitor.check_collectives`` is on for every case (``TOPO_ALIGN_CHECK_COLLECTIVES=1``, set by
-the driver): a rank that issued other collectives than its peers ends the case in an error.
+Run by scripts/gpu_world.py on NCCL (one GPU per rank), on gloo with CUDA tensors (the ranks share the
+GPUs), or on gloo and CPU (the suite's check of this code, tests/test_gpu_check.py). The models,
+configs and loops are the suite's own (tests/test_reducer_modes.py, tests/test_ddp_hook.py,
+topo_integrations/deepspeed/harness.py, tests/test_megatron_ddp.py). A case returns ``(status,
+detail)``. ``monitor.check_collectives`` is on for every case (``TOPO_ALIGN_CHECK_COLLECTIVES=1``, set
+by the driver): a rank that issued other collectives than its peers ends the case in an error.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-import traceback
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1] / "tests"
 TOL = 1e-6
 """Hierarchical equals flat (the framework's own all-reduce) within this relative error."""
-
-TORCH_CASES = ("grouped-reducer-hierarchical", "grouped-reducer-selective", "grouped-reducer-default",
-               "ddp-hook-hierarchical", "ddp-hook-selective")
-DEEPSPEED_CASES = tuple(f"deepspeed-zero{s}-hierarchical" for s in range(4)) + tuple(
-    f"deepspeed-zero{s}-selective" for s in range(3))  # selective is refused at ZeRO-3 (docs/deepspeed.md)
-MEGATRON_CASES = ("megatron-ddp-hierarchical", "megatron-distopt-hierarchical", "megatron-ddp-selective",
-                  "megatron-distopt-selective")
-FAMILIES = {"torch": TORCH_CASES, "deepspeed": DEEPSPEED_CASES, "megatron": MEGATRON_CASES}
 
 
 def _verdict(ok: bool, detail: str) -> tuple[str, str]:
     return ("PASS" if ok else "FAIL"), detail
-
-
-def _setup(rank: int, device: str) -> None:
-    os.environ["TOPO_ALIGN_HOSTNAME"] = f"node{rank // 2}"  # islands {0, 1} and {2, 3}
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    if device == "cuda":
-        import torch
-
-        torch.cuda.set_device(rank)
-
-
-def run_family(rank: int, world: int, family: str, cases: list[str], device: str) -> list[tuple[str, str, str]]:
-    """Run ``cases`` of ``family`` on this rank; ``[(case, status, detail)]`` in order."""
-    _setup(rank, device)
-    runner = {"torch": _torch_case, "deepspeed": _deepspeed_case, "megatron": _megatron_case}[family]
-    out = []
-    for case in cases:
-        t0 = time.perf_counter()
-        try:
-            status, detail = runner(case, rank, device)
-        except Exception as exc:  # noqa: BLE001 - reported as the case's FAIL line
-            last = traceback.format_exc().strip().splitlines()[-1]
-            status, detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else last}"
-        out.append((case, status, f"{detail} ({time.perf_counter() - t0:.1f} s)"))
-    return out
 
 
 # -- GroupedReducer and the DDP comm hook (tests/test_reducer_modes.py, tests/test_ddp_hook.py) -----
@@ -78,7 +37,7 @@ def _flat_grad_err(model, ref, world: int) -> float:
     return (num / max(den, 1e-60)) ** 0.5 if den else float(torch.inf)
 
 
-def _torch_case(case: str, rank: int, device: str) -> tuple[str, str]:
+def _torch_case(case: str, rank: int, dev) -> tuple[str, str]:
     import test_ddp_hook as hook_t
     import torch
     import torch.distributed as dist
@@ -91,7 +50,6 @@ def _torch_case(case: str, rank: int, device: str) -> tuple[str, str]:
 
     world = dist.get_world_size()
     mode = case.rsplit("-", 1)[1]
-    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
     def loss(model, step):
         x, y = modes_t.batch(step, rank)
@@ -107,7 +65,7 @@ def _torch_case(case: str, rank: int, device: str) -> tuple[str, str]:
         finish, after, verify, reconcile, close = (red.finish_grad_sync, red.after_optimizer_step,
                                                    red.verify_consistency, red.reconcile, red.close)
     else:
-        ddp_kw = {"device_ids": [dev.index]} if device == "cuda" else {}
+        ddp_kw = {"device_ids": [dev.index]} if dev.type == "cuda" else {}
         model, ref = DDP(hook_t.make().to(dev), bucket_cap_mb=hook_t.BUCKET_CAP_MB, **ddp_kw), hook_t.make().to(dev)
         state = TopoAlignHookState(model, hook_t.cfg_of(mode))
         model.register_comm_hook(state, topo_align_hook)
@@ -145,11 +103,11 @@ def _torch_case(case: str, rank: int, device: str) -> tuple[str, str]:
 
 # -- DeepSpeed ZeRO 0-3 (topo_integrations/deepspeed/harness.py) -----------------------------------
 
-def _deepspeed_case(case: str, rank: int, device: str) -> tuple[str, str]:
+def _deepspeed_case(case: str, rank: int, dev) -> tuple[str, str]:
     import topo_integrations.deepspeed as tds
     from topo_integrations.deepspeed import harness as H
 
-    if device == "cpu":
+    if dev.type == "cpu":
         H.prepare_cpu()
     stage, mode = int(case.split("-")[1].removeprefix("zero")), case.rsplit("-", 1)[1]
 
@@ -188,13 +146,13 @@ def _deepspeed_case(case: str, rank: int, device: str) -> tuple[str, str]:
 
 # -- Megatron DDP and distributed optimizer (tests/test_megatron_ddp.py) -------------------------------
 
-def _megatron_case(case: str, rank: int, device: str) -> tuple[str, str]:
+def _megatron_case(case: str, rank: int, dev) -> tuple[str, str]:
     from topo_integrations.config import TopoAlignConfig
     from topo_integrations.megatron import cpu_compat
     from topo_integrations.megatron.testing import TinyGPT
 
-    if device == "cpu" and not cpu_compat.apply():
-        return "SKIP", "--device cpu with CUDA present: megatron-core's CPU layer stays off on a GPU machine"
+    if dev.type == "cpu" and not cpu_compat.apply():
+        return "FAIL", "--device cpu with CUDA present: megatron-core's CPU layer stays off on a GPU machine"
     import test_megatron_ddp as mddp
 
     dist_opt, mode = case.split("-")[1] == "distopt", case.rsplit("-", 1)[1]
@@ -215,3 +173,6 @@ def _megatron_case(case: str, rank: int, device: str) -> tuple[str, str]:
     bad += [(i, "all_same") for i, r in enumerate(recs) if r["reconciled"] and not r["all_same"]]
     return _verdict(not bad, f"invariants on 8 steps (SYNC identical on all ranks, LOCAL per island, all after "
                              f"each reconciliation); broken: {bad[:3]}")
+
+
+RUNNERS = {"torch": _torch_case, "deepspeed": _deepspeed_case, "megatron": _megatron_case}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check (docs/reliability.md, "GPU check"): tests/test_reducer_cuda.py, then every adapter on
-# 4 NCCL ranks (2 islands x 2), one line per case. Without CUDA: one SKIP line, exit 0.
+# The GPU check (docs/reliability.md, "GPU check"): what this machine's GPUs can check, one row per
+# case (scripts/gpu_check.py; `--list` prints the cases). Without a GPU it says so and exits 3.
 # Uses .venv/bin/python (or $PYTHON: an interpreter whose torch has CUDA); extra arguments go to
-# scripts/gpu_check.py (e.g. --cases megatron-ddp-hierarchical).
+# scripts/gpu_check.py (e.g. --out docs/data/gpu-check.json, --cases streams@nccl1,abort@nccl1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"

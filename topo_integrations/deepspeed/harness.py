@@ -157,7 +157,8 @@ def train(engine, steps: int, *, start: int = 0, check=None) -> list[float]:
             engine.backward(loss)
             engine.step()
             total += float(loss.detach().float())
-        t = torch.tensor([total / gas])
+        # NCCL reduces only device tensors (scripts/gpu_check.py runs this loop on NCCL too)
+        t = torch.tensor([total / gas], device=engine.device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t)
         losses.append(float(t) / dist.get_world_size())
         if check is not None:
