@@ -98,16 +98,18 @@ def inter_sync_bytes(ta) -> int:
     return ta.stats()["total"]["bytes"]["inter"]["sync"]
 
 
-def pair(groups, mesh, cfg, *, steps=STEPS, opt=torch.optim.AdamW, accum=None, mp=None, prefetch=False, ref_mp=None):
+def pair(groups, mesh, cfg, *, steps=STEPS, opt=torch.optim.AdamW, accum=None, mp=None, prefetch=False, ref_mp=None,
+         via_mesh=False):
     """Native HSDP and topo-align side by side for ``steps`` steps: worst relative gradient error of
     the shards, final relative parameter error, and what the adapter saw. ``accum``: a micro-step
-    flag ("gradient_sync" / "all_reduce") set off for the first of two micro-steps."""
+    flag ("gradient_sync" / "all_reduce") set off for the first of two micro-steps; ``via_mesh``:
+    apply() gets the 2-D mesh (the groups are discovered again) instead of the groups."""
     from topo_integrations.fsdp import apply
 
     rank = dist.get_rank()
     ref = build(mesh, mp=ref_mp, prefetch=prefetch)
     mine = build(mesh["shard"], mp=mp, prefetch=prefetch)
-    ta = apply(mine, groups, cfg)
+    ta = apply(mine, mesh if via_mesh else groups, cfg)
     opts = [opt(m.parameters(), lr=0.05) for m in (ref, mine)]
     grad_rel, quiet = [], []
     for s in range(steps):
@@ -139,8 +141,10 @@ def pair(groups, mesh, cfg, *, steps=STEPS, opt=torch.optim.AdamW, accum=None, m
 # ---------------------------------------------------------------------------- scenarios
 
 def s_exact(rank, groups, mesh):
-    """hierarchical (fp32 wire) == native HSDP, with the default and with explicit prefetching."""
-    return {p: pair(groups, mesh, cfg_of("hierarchical"), prefetch=p == "prefetch") for p in ("default", "prefetch")}
+    """hierarchical (fp32 wire) == native HSDP, with the default and with explicit prefetching (and the
+    torchtitan-style call: apply() with the mesh)."""
+    return {p: pair(groups, mesh, cfg_of("hierarchical"), prefetch=p == "prefetch", via_mesh=p == "prefetch")
+            for p in ("default", "prefetch")}
 
 
 def s_int8(rank, groups, mesh):
@@ -211,56 +215,63 @@ def s_selective(rank, groups, mesh):
     return out
 
 
+DCP_CFG = {"int8": {}, "local": {"sync.top_fraction": 0.3, "sync.last_n_layers": 1}}
+"""The default block (int8 SYNC: its error-feedback residuals must come back), and a LOCAL class
+(anchors, moment anchors, reconciliation counters, importance; reconciled before the save)."""
+
+
 def s_dcp(rank, groups, mesh):
     """DCP: 2 steps, save (model, optimizer, the engine's state), 2 more steps; a fresh model loaded
-    from the checkpoint runs the same 2 steps: bitwise the same shards (int8 SYNC wire: the
-    error-feedback residuals are part of what must come back)."""
+    from the checkpoint runs the same 2 steps: bitwise the same shards."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from topo_integrations.fsdp import apply
 
-    path = os.path.join(tempfile.gettempdir(), f"topo-align-fsdp-dcp-{os.environ['MASTER_PORT']}")
-
-    def fresh():
-        m = build(mesh["shard"])
-        return m, apply(m, groups, cfg_of()), None
-
     def run(m, ta, o, steps):
-        o = o or torch.optim.AdamW(m.parameters(), lr=0.05)
         for s in steps:
             o.zero_grad(set_to_none=True)
             loss_of(m, s, rank).backward()
             o.step()
             ta.after_optimizer_step(o)
-        return o
 
-    m, ta, _ = fresh()
-    o = run(m, ta, None, range(2))
-    msd, osd = get_state_dict(m, o)
-    dcp.save({"model": msd, "optim": osd, "topo_align": ta.checkpoint_state()}, checkpoint_id=path)
-    saved_residuals = {k: v.clone() for k, v in ta.engine.wire.residual_state().items()}
-    run(m, ta, o, range(2, 4))
-    straight = shards(m)
-    ta.close()
+    def fresh(cfg):
+        m = build(mesh["shard"])
+        return m, apply(m, groups, cfg), torch.optim.AdamW(m.parameters(), lr=0.05)
 
-    m2, ta2, _ = fresh()
-    o2 = torch.optim.AdamW(m2.parameters(), lr=0.05)
-    msd, osd = get_state_dict(m2, o2)
-    state = {"model": msd, "optim": osd, "topo_align": ta2.checkpoint_state()}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    loaded = ta2.engine.wire.residual_state()
-    out = {"step_after_load": ta2.step,
-           "residuals_back": sorted(loaded) == sorted(saved_residuals) and
-           all(torch.equal(loaded[k], saved_residuals[k]) for k in loaded),
-           "residual_norm": float(sum(v.norm() for v in saved_residuals.values()))}
-    run(m2, ta2, o2, range(2, 4))
-    out["bitwise"] = torch.equal(shards(m2), straight)
-    ta2.close()
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
+    out = {}
+    for name, over in DCP_CFG.items():
+        path = os.path.join(tempfile.gettempdir(), f"topo-align-fsdp-dcp-{os.environ['MASTER_PORT']}-{name}")
+        m, ta, o = fresh(cfg_of(**over))
+        run(m, ta, o, range(2))
+        ta.reconcile(o)  # `selective` with a LOCAL class: identical replicas before saving (no-op otherwise)
+        msd, osd = get_state_dict(m, o)
+        dcp.save({"model": msd, "optim": osd, "topo_align": ta.checkpoint_state()}, checkpoint_id=path)
+        saved = ta.state_dict()["engine"]
+        run(m, ta, o, range(2, 4))
+        straight = shards(m)
+        ta.close()
+
+        m2, ta2, o2 = fresh(cfg_of(**over))
+        msd, osd = get_state_dict(m2, o2)
+        state = {"model": msd, "optim": osd, "topo_align": ta2.checkpoint_state()}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        got = ta2.state_dict()["engine"]
+        res = {"step_after_load": ta2.step, "local": sum(c == "LOCAL" for c in got["classes"].values()),
+               "anchors": len(saved["anchors"]), "reconciles": got["reconciles"],
+               "residuals_back": sorted(got["residuals"]) == sorted(saved["residuals"]) and
+               all(torch.equal(got["residuals"][k], saved["residuals"][k]) for k in saved["residuals"]),
+               "residual_norm": float(sum(v.norm() for v in saved["residuals"].values())),
+               "anchors_back": sorted(got["anchors"]) == sorted(saved["anchors"]) and
+               all(torch.equal(got["anchors"][f]["flat"], saved["anchors"][f]["flat"]) for f in saved["anchors"])}
+        run(m2, ta2, o2, range(2, 4))
+        res["bitwise"] = torch.equal(shards(m2), straight)
+        ta2.close()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        out[name] = res
     return out
 
 
@@ -381,10 +392,15 @@ def test_selective_local_class_invariants(world):
 
 
 @pytest.mark.timeout(_world4.TIMEOUT)
-def test_dcp_resume_is_bitwise(world):
+@pytest.mark.parametrize("cfg", list(DCP_CFG))
+def test_dcp_resume_is_bitwise(world, cfg):
     for res in world:
-        r = res["dcp"]
-        assert r["step_after_load"] == 2 and r["residuals_back"] and r["residual_norm"] > 0
+        r = res["dcp"][cfg]
+        assert r["step_after_load"] == 2 and r["residuals_back"]
+        if cfg == "int8":
+            assert r["residual_norm"] > 0
+        else:
+            assert r["local"] > 0 and r["anchors"] > 0 and r["anchors_back"] and r["reconciles"] >= 2
         assert r["bitwise"]
 
 
