@@ -37,6 +37,7 @@ PARTS = [
     ("test_convergence", "_rank_main", {}, 280),
     ("test_reducer_modes", "_rank_main", {}, 240),
     ("test_resume_v1", "_rank_main", {}, 240),
+    ("test_fsdp", "_rank_main", {}, 200),
     ("test_discovery_world", "_worker", {}, 240),
 ]
 TIMEOUT = sum(p[3] for p in PARTS)

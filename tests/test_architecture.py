@@ -4,10 +4,11 @@ Every ``import`` and ``from ... import`` in every module counts, at module level
 (a lazy import is still a dependency). A part may import only the parts below it:
 
     config <- topology <- reducer <- torch | deepspeed | megatron <- train <- bench <- cli
+                                      torch <- fsdp
                        \\- sim, emulate (topology only)
                        doctor, plot (topology)     diagnostics (reducer, doctor, emulate)
 
-Also checked here: the adapters (torch, deepspeed, megatron) issue no collective of their own and
+Also checked here: the adapters (torch, deepspeed, megatron, fsdp) issue no collective of their own and
 import neither reducer.wire.collectives nor reducer.wire.wire (every collective is the engine's); the
 module import graph has no cycle; inside reducer/ the sub-packages import one way (REDUCER_LAYERS) and
 each says in its ``__init__`` docstring what it owns; frameworks (deepspeed, megatron) are imported
@@ -51,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     "torch": {"config", "topology", "reducer"},  # GroupedReducer and the DDP comm hook
     "deepspeed": {"config", "topology", "reducer"},
     "megatron": {"config", "topology", "reducer"},
+    "fsdp": {"config", "topology", "reducer", "torch"},  # FSDP2: the plain-PyTorch adapter's groups and view
     "train": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "testing"},
     "bench": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "train", "emulate", "testing"},
     "cli": {"", "config", "topology", "doctor", "plot", "diagnostics", "sim", "emulate", "bench"},
@@ -133,7 +135,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path] | None = None) ->
 
 # -- adapters issue no collective of their own ---------------------------------------------------
 
-ADAPTERS = ("torch", "deepspeed", "megatron")
+ADAPTERS = ("torch", "deepspeed", "megatron", "fsdp")
 ENGINE_ONLY = {f"{PKG}.reducer.wire.collectives", f"{PKG}.reducer.wire.wire", f"{PKG}.reducer.wire.lossy_wire"}
 """Modules only the engine imports: an adapter hands buckets to the dispatcher (reducer/schedule/dispatch.py)."""
 COLLECTIVES = {

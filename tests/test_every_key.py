@@ -12,6 +12,8 @@ checks before it builds anything:
 * DeepSpeed ZeRO 0-3: `deepspeed.support.check_supported` (the DeepSpeed config + block);
 * Megatron DDP / distributed optimizer: `megatron.refusals.check_megatron_settings` + `check_config`
   with the settings Megatron decided (`MegatronSide`);
+* FSDP2: `fsdp.refusals.check_config` (the keys FSDP2 owns; its set-up refusals are checked on 4 gloo
+  ranks in tests/test_fsdp.py);
 * `GroupedReducer`: the config only; `topology.middle_level` that the topology cannot give is refused
   while the groups are planned (shared by every adapter), checked on 4 gloo ranks below, with the
   one key that used to do nothing there (`monitor.log_interval`: a log line every N steps).
@@ -39,7 +41,7 @@ from pydantic import BaseModel
 
 from topo_integrations.config import ConfigError, TopoAlignConfig
 
-ADAPTERS = ("GroupedReducer", "ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Megatron DDP", "Megatron distopt")
+ADAPTERS = ("GroupedReducer", "ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Megatron DDP", "Megatron distopt", "FSDP2")
 
 # A valid value other than the default, per key (companion keys where the value needs them).
 NONDEFAULT: dict[str, tuple[object, dict]] = {
@@ -99,6 +101,10 @@ REFUSED: dict[tuple[str, str], tuple[str, ...]] = {
     ("ZeRO-1", "local.dtype"): ("local.dtype = 'fp16'", "DeepSpeed adapter"),
     ("ZeRO-2", "local.dtype"): ("local.dtype = 'fp16'", "DeepSpeed adapter"),
     ("ZeRO-3", "topology.middle_level"): ("topology.middle_level = True", "DeepSpeed adapter", "ZeRO stage 3"),
+    # FSDP2 owns its buckets and when it reduces; LOCAL gradients ride its island reduce-scatter; with the
+    # model sharded per island, turning the plugin off would leave the islands unreduced (fsdp/refusals.py)
+    **{("FSDP2", k): (f"{k} = {NONDEFAULT[k][0]!r}", "FSDP2 adapter")
+       for k in ("enabled", "communication.bucket_size_mb", "communication.overlap", "local.dtype")},
     # ZeRO-3 refuses the mode the selective keys belong to (they are checked in `selective` there).
     **{("ZeRO-3", k): ("topo_align.mode = 'selective' with zero_optimization.stage = 3",)
        for k in NONDEFAULT if k.startswith(SELECTIVE_ONLY)},
@@ -139,6 +145,10 @@ def _start(adapter: str, key: str) -> None:
         side = MegatronSide(use_distributed_optimizer=adapter.endswith("distopt"), overlap_grad_reduce=True)
         check_megatron_settings(cfg, side)
         check_config(cfg, side)
+    elif adapter == "FSDP2":
+        from topo_integrations.fsdp.refusals import check_config as check_fsdp
+
+        check_fsdp(cfg)
 
 
 def test_every_schema_key_has_a_non_default_value_here():

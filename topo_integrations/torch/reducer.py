@@ -311,12 +311,7 @@ class GroupedReducer(EngineView):
         is due. Collective over the DP group on reconciliation steps (same steps on every rank).
         Every ``monitor.log_interval`` steps DP position 0 logs one statistics line."""
         self.engine.after_step(self._source(optimizer), optimizer)
-        e = self.engine
-        if e.step % self.cfg.monitor.log_interval == 0 and e.groups.position == 0:
-            st = e.stats()
-            log.info("topo_align: GroupedReducer step %d: %s, SYNC %.1f%% of elements, %d reconciliations, "
-                     "bytes this step %s", e.step, st["mode"], 100 * st["sync_fraction"], st["reconciles"],
-                     st["step"]["bytes"])
+        self.log_step("GroupedReducer")
 
     # ------------------------------------------------------------------ classes and agreement
 

@@ -8,12 +8,16 @@ same calls on the same engine, so they live here once. A subclass sets ``engine`
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..reducer.engine.engine import ParamReconcileSource
 from ..reducer.plan.groups import ReducerGroups
 
 __all__ = ["EngineView"]
+
+log = logging.getLogger("topo_align")
 
 
 class EngineView:
@@ -38,6 +42,15 @@ class EngineView:
         if optimizer is not None:
             self._optimizer = optimizer
         return ParamReconcileSource(self._params, self._optimizer)
+
+    def log_step(self, who: str) -> None:
+        """Every ``monitor.log_interval`` optimizer steps DP position 0 logs one statistics line."""
+        e = self.engine
+        if e.step % e.cfg.monitor.log_interval == 0 and e.groups.position == 0:
+            st = e.stats()
+            log.info("topo_align: %s step %d: %s, SYNC %.1f%% of elements, %d reconciliations, "
+                     "bytes this step %s", who, e.step, st["mode"], 100 * st["sync_fraction"], st["reconciles"],
+                     st["step"]["bytes"])
 
     def reconcile(self, optimizer=None, blocking: bool = True) -> None:
         """Force a full reconciliation now (before evaluation or saving): applies a pending

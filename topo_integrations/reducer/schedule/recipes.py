@@ -36,6 +36,9 @@ class Collective(StrEnum):
     SCATTER = "scatter"
     """ZeRO-3: ``flat`` holds the slots of every rank ordered rail by rail; island reduce-scatter,
     then rail reduce-scatter into ``out`` (my slot)."""
+    ISLAND = "island"
+    """FSDP2 with a 16-bit reduce dtype: island reduce-scatter SUM of ``flat`` (fp32) into ``out`` (my
+    island shard) and nothing more; the rail hop follows from FSDP2's all-reduce hook (a RAIL bucket)."""
 
 
 class Reduction(StrEnum):
@@ -60,7 +63,7 @@ class CommBucket:
     reduction: Reduction = Reduction.MEAN
     collective: Collective = Collective.ALL_REDUCE
     out: torch.Tensor | None = None
-    """SHARD / SCATTER: where my part of the result goes."""
+    """SHARD / SCATTER / ISLAND: where my part of the result goes."""
 
 
 def recipe(w, b: CommBucket, cls: Cls, *, mode: Mode, sync_dtype: torch.dtype,
@@ -114,6 +117,9 @@ def recipe(w, b: CommBucket, cls: Cls, *, mode: Mode, sync_dtype: torch.dtype,
             w.reduce_scatter_intra_(mid, b.flat)
             w.rail_reduce_scatter_(b.out, mid, key=b.key, wire=sync_dtype)
         return scatter
+    if col is Collective.ISLAND:
+        # 1. island reduce-scatter SUM (the fp32 sums FSDP2 would form in 16 bits).
+        return lambda: w.reduce_scatter_intra_(b.out, b.flat, cls=Traffic.SYNC)
     raise ValueError(f"topo_align: unknown collective {col!r}")
 
 
