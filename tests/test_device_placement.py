@@ -5,6 +5,9 @@
    (reducer/watch/thread_device.py); object collectives name the device where torch.distributed lets
    them. CUDA is faked here: ``torch.cuda``'s device and stream functions are replaced by recorders, so
    the test sees, per thread, what was entered and when the work ran.
+2. The agreed gradient norm travels on the engine's communication device whatever device the adapter
+   made it on (Megatron's comes from a host float): a ``meta`` device stands in for CUDA, so a host
+   tensor handed to the collective is refused as it would be on NCCL.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 import ast
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from topo_integrations.reducer.kinds import Traffic
+from topo_integrations.reducer.kinds import Mode, Traffic
 from topo_integrations.reducer.watch import completion
 from topo_integrations.reducer.watch.bounded import bounded
 from topo_integrations.reducer.watch.thread_device import object_device
@@ -152,3 +156,37 @@ def test_every_reducer_thread_starts_through_the_helper():
 def test_the_thread_scan_sees_both_spellings():
     src = "import threading\nfrom threading import Thread\nthreading.Thread(target=f)\nThread(target=g)\nx.Timer()\n"
     assert _thread_starts(src) == [3, 4]
+
+
+# ------------------------------------------------------------------------------- 2. the norm's device
+
+def _engine_on(device: torch.device):
+    """An Engine's agreement path on ``device``: the real Engine method and Wire (the collective's
+    device check included), a one-rank group, `selective` with a LOCAL tensor."""
+    from topo_integrations.reducer.engine import Engine
+    from topo_integrations.reducer.engine.stats import Stats
+    from topo_integrations.reducer.wire.wire import Wire
+
+    groups = SimpleNamespace(dp_size=1, inter_size=1, dp_group=None, inter=None, device=None)
+    e = Engine.__new__(Engine)
+    e.device = device
+    e.dispatcher = SimpleNamespace(mode=Mode.SELECTIVE,
+                                   wire=Wire(groups, device=device, error_feedback=False, stats=Stats()))
+    e.policy = SimpleNamespace(has_local=lambda: True)
+    return e
+
+
+def test_the_agreed_norm_travels_on_the_engines_device_whatever_the_adapter_made():
+    e = _engine_on(torch.device("meta"))
+    assert e.wire.groups.device == torch.device("meta")
+    # Megatron's norm is a host float: the adapter hands a CPU float64 tensor (megatron/optimizer.py)
+    out = e.global_grad_norm_sq(torch.tensor([2.0 ** 2], dtype=torch.float64), over="inter")
+    assert out.device == torch.device("meta") and out.dtype == torch.float64 and out.shape == (1,)
+    out = e.global_grad_norm_sq(torch.tensor(9.0, dtype=torch.float32))  # another dtype, 0-dim
+    assert out.device == torch.device("meta") and out.dtype == torch.float32 and out.shape == ()
+
+
+def test_on_the_cpu_the_agreed_norm_is_the_same_value():
+    e = _engine_on(torch.device("cpu"))
+    x = torch.tensor([1.2345678901234567], dtype=torch.float64)
+    assert torch.equal(e.global_grad_norm_sq(x), x)

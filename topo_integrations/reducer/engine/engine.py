@@ -280,11 +280,14 @@ class Engine:
         """Squared gradient norm equal on every rank: the mean over ranks of ``local_sq``
         (``|g_SYNC|^2 + mean_k |g_LOCAL,k|^2``; one fp64 all-reduce). ``over="inter"`` when the
         groups already agree inside (a framework reduced the norm over the island). A non-finite
-        value stays non-finite (the frameworks' overflow sentinel)."""
+        value stays non-finite (the frameworks' overflow sentinel). ``local_sq`` may live anywhere
+        (Megatron's norm is a host float): the sum travels as fp64 on the communication device,
+        where the agreed value stays."""
         if not self.selective or not self.has_local():
             return local_sq
         n = self.groups.dp_size if over == "dp" else self.groups.inter_size
-        s = self.wire.agree(local_sq.detach().double().reshape(-1), "sum", over=over, cls="control")
+        x = local_sq.detach().to(device=self.wire.device, dtype=torch.float64).reshape(-1)
+        s = self.wire.agree(x, "sum", over=over, cls="control")
         return (s / n).reshape(local_sq.shape).to(local_sq.dtype)
 
     def agree_overflow(self, flag: bool, *, over: str = "dp") -> bool:
