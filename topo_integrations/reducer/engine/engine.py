@@ -242,8 +242,9 @@ class Engine:
         self.policy.last_refresh = self.step
         if not self.selective:
             return False
-        s = self.wire.agree(self.policy.local_scores(self.step).reshape(-1), "sum", cls="control")
-        new = self.policy.classify((s / self.groups.dp_size).cpu().tolist())
+        # The classes are decided on the host: the agreed scores come as a host copy (Wire.agree_later).
+        s = self.wire.agree(self.policy.local_scores(self.step).reshape(-1), "sum", cls="control", host=True)
+        new = self.policy.classify((s / self.groups.dp_size).tolist())
         if new == self.classes:
             return False
         self.reconfigure(classes=new)
@@ -291,9 +292,10 @@ class Engine:
         return (s / n).reshape(local_sq.shape).to(local_sq.dtype)
 
     def agree_overflow(self, flag: bool, *, over: str = "dp") -> bool:
-        """True on every rank when any rank saw an overflow (one MAX all-reduce on the comm device)."""
+        """True on every rank when any rank saw an overflow (one MAX all-reduce on the comm device;
+        the verdict is a host bool, read from a host copy made inside the agreement)."""
         t = self.wire.tensor([1.0 if flag else 0.0])
-        return bool(self.wire.agree(t, "max", over=over, cls="control").item() > 0)
+        return bool(self.wire.agree(t, "max", over=over, cls="control", host=True).item() > 0)
 
     # ------------------------------------------------------------------ the step and reconciliation
 
@@ -326,6 +328,7 @@ class Engine:
                 if refresh:
                     self.refresh_classes()
         self.stats_.end_step()
+        self.drift.poll()  # a drift measurement whose agreed sums have landed (never waits)
         if self.adaptive is not None:
             self.adaptive.after_step(optimizer)
         self.dispatcher.end_step(self.step)
