@@ -214,9 +214,19 @@ def test_drift_monitor_units():
 
 def _measure(m, drifts: dict, step: int):
     """Feed the monitor one agreed measurement (the all-reduce is a no-op stand-in)."""
+    class Agreed:  # Wire.agree_later's answer, landed at once
+        def __init__(self, t):
+            self.t = t
+
+        def landed(self):
+            return True
+
+        def value(self):
+            return self.t
+
     class Wire:
-        def agree(self, t, op):
-            return t
+        def agree_later(self, t, op):
+            return Agreed(t)
     names = sorted(drifts)
     # ||before - after|| = d, ||after|| = 1 per name: relative drift d
     before = torch.tensor([1.0 + drifts[n] for n in names])

@@ -67,7 +67,7 @@ class DeepSpeedTopo:
         self.engine = Engine(cfg, groups, tensors, device=comm_device(), traits=AdapterTraits.fixed_layout())
         if cfg.adaptive.enabled:
             self.engine.enable_adaptive()
-        self.last_clip_norm: float | None = None
+        self._clip_norm: torch.Tensor | float | None = None
         self.last_overflow = False
         self.last_local_overflow = False
         """This island's own overflow verdict before agreement (ZeRO-1/2 `selective`; tests and logs)."""
@@ -79,6 +79,17 @@ class DeepSpeedTopo:
         if selective and cfg.importance.method == Method.HUTCHINSON:
             self._hook = module.register_forward_pre_hook(self._record_batch, with_kwargs=True)
             self.engine.set_loss_closure(self._loss)
+
+    @property
+    def last_clip_norm(self) -> float | None:
+        """The latest agreed clip norm (tests and logs). The step keeps it a device tensor; it is
+        read on the host here, when asked for, not in the step."""
+        v = self._clip_norm
+        return float(v.item()) if torch.is_tensor(v) else v
+
+    @last_clip_norm.setter
+    def last_clip_norm(self, value: torch.Tensor | float | None) -> None:
+        self._clip_norm = value.detach() if torch.is_tensor(value) else value
 
     # ------------------------------------------------------------------ views of the engine
 
@@ -183,8 +194,9 @@ class DeepSpeedTopo:
                         events.append((f"TopoAlign/{tier}/{cls}/{what}", float(v), x))
         events.append(("TopoAlign/sync_fraction", float(st["sync_fraction"]), x))
         events.append(("TopoAlign/reconciles", float(st["reconciles"]), x))
-        if self.last_clip_norm is not None:
-            events.append(("TopoAlign/clip_norm", float(self.last_clip_norm), x))
+        clip = self.last_clip_norm
+        if clip is not None:
+            events.append(("TopoAlign/clip_norm", clip, x))
         return events
 
     def stats(self) -> dict[str, Any]:

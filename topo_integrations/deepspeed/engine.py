@@ -27,6 +27,7 @@ import torch.distributed as tdist
 
 from ..reducer.classes.classes import LOCAL, SYNC
 from ..reducer.classes.importance import Importance
+from ..reducer.engine.clip import clip_by_norm_
 from ..reducer.schedule.dispatch import CommBucket, Reduction
 
 __all__ = ["TopoAlignEngineMixin", "STATE_FILE"]
@@ -117,7 +118,9 @@ class TopoAlignEngineMixin:
     def clip_fp32_gradients(self):
         """One clip factor on every rank: norm^2 = mean over ranks of the local norm^2
         (= |g_SYNC|^2 + mean over islands of |g_LOCAL|^2); one fp64 all-reduce over the DP group
-        on the communication device (Engine.global_grad_norm_sq)."""
+        on the communication device (Engine.global_grad_norm_sq). The norm stays on the device (the
+        factor too: reducer/engine/clip.py), as in DeepSpeed's own clip; ``_global_grad_norm`` is
+        that 0-dim tensor, as DeepSpeed's ZeRO optimizers report it."""
         st = self.topo_align
         if st is None or not st.selective:
             return super().clip_fp32_gradients()
@@ -126,15 +129,11 @@ class TopoAlignEngineMixin:
         sq = e.wire.tensor([0.0])
         if params:
             sq += torch.stack([p.grad.detach().double().pow(2).sum() for p in params]).sum().to(sq.device)
-        norm_t = e.global_grad_norm_sq(sq).sqrt()
-        norm = float(norm_t.item())
-        st.last_clip_norm = norm
+        norm = e.global_grad_norm_sq(sq).sqrt().reshape(())
+        st.last_clip_norm = norm  # read on the host only when logged (DeepSpeedTopo.last_clip_norm)
         self._global_grad_norm = norm
-        coef = min(1.0, self.gradient_clipping() / (norm + 1e-6))
-        if coef < 1.0:
-            for p in params:
-                p.grad.detach().mul_(coef)
-        return torch.tensor(norm)
+        clip_by_norm_([p.grad.detach() for p in params], norm, self.gradient_clipping())
+        return norm
 
     # -- the step schedule ------------------------------------------------------------------------
 

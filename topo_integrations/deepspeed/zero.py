@@ -348,10 +348,10 @@ class SelectiveZeroMixin:
         bad = (~torch.isfinite(t)) | (t < 0)
         v = torch.where(bad, torch.full_like(t, float("inf")), t * t)
         out = e.global_grad_norm_sq(v, over="inter").sqrt()
-        st.last_clip_norm = float(out.item())
+        st.last_clip_norm = out  # read on the host only when logged (DeepSpeedTopo.last_clip_norm)
         if torch.is_tensor(norm):
             return out.to(device=norm.device, dtype=norm.dtype).reshape(norm.shape)
-        return float(out.item())
+        return float(out.item())  # a DeepSpeed that hands a host float (older releases) gets one back
 
     # -- 3. one overflow decision for everyone ----------------------------------------------------
 

@@ -39,6 +39,7 @@ from ..config import TopoAlignConfig
 from ..reducer.classes.classes import LOCAL, SYNC, layer_indices
 from ..reducer.classes.importance import Importance
 from ..reducer.engine import AdapterTraits, Engine, EngineTensors
+from ..reducer.engine.clip import clip_by_norm_
 from ..reducer.kinds import Cls
 from ..reducer.plan.groups import ReducerGroups
 from ..reducer.schedule.dispatch import CommBucket
@@ -231,9 +232,7 @@ class TopoAlignHookState(EngineView):
             return torch.zeros((), dtype=torch.float64)
         local_sq = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
         norm = self.global_grad_norm_sq(local_sq).sqrt()
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1:
-            torch._foreach_mul_(grads, scale)
+        clip_by_norm_(grads, norm, max_norm)  # the factor stays on the device (no host read)
         return norm
 
     # ------------------------------------------------------------------ state, stats, checks

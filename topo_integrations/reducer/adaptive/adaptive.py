@@ -264,7 +264,7 @@ class AdaptiveController:
         probe_s = self._probe() if self.policy.wants_probe() else 0.0
         # Phase 1-2: one SUM all-reduce of [bytes, seconds, step seconds, probe seconds].
         vec = e.wire.tensor([db, ds, step_s, probe_s])
-        tot = e.wire.agree(vec, "sum").cpu().tolist()
+        tot = e.wire.agree(vec, "sum", host=True).tolist()  # the level is decided on the host
         n = e.groups.dp_size
         m = Measurement(
             inter_gbps=(tot[0] / tot[1] / 1e9) if tot[0] > 0 and tot[1] > 0 else None,

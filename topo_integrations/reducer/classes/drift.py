@@ -55,39 +55,71 @@ class DriftMonitor:
         self.total_numel = int(total_numel)
         self.window = int(window)
         self.demote = bool(demote)
-        self.last: dict[str, float] = {}
-        """Relative drift per LOCAL tensor at the latest measured reconciliation (with streaming
-        reconciliation: of the latest fragment's tensors)."""
-        self.recent: dict[str, list[float]] = {}
-        """The last ``window`` measured drifts of each tensor (oldest first)."""
+        self._last: dict[str, float] = {}
+        self._recent: dict[str, list[float]] = {}
         self.promoted_score: dict[str, float] = {}
         """The score each promoted tensor had when it was promoted (demotion compares with it)."""
         self.demoted: list[str] = []
         """Tensors demoted back to LOCAL, in order (reporting)."""
-        self.last_step: int | None = None
-        self.history: list[tuple[int, float, float]] = []
-        """(step, max drift, element-weighted mean drift) of every measured reconciliation."""
+        self._last_step: int | None = None
+        self._history: list[tuple[int, float, float]] = []
         self.promoted: list[str] = []
         """Tensors promoted to SYNC, in promotion order (sticky)."""
+        self._pending: list[tuple] = []
+        """Measurements whose agreed sums have not been read on the host yet (:meth:`poll`)."""
+
+    # The measured values, read through :meth:`settle` (a measurement in flight is read first).
+
+    @property
+    def last(self) -> dict[str, float]:
+        """Relative drift per LOCAL tensor at the latest measured reconciliation (with streaming
+        reconciliation: of the latest fragment's tensors)."""
+        self.settle()
+        return self._last
+
+    @last.setter
+    def last(self, value: dict[str, float]) -> None:
+        self.settle()
+        self._last = value
+
+    @property
+    def recent(self) -> dict[str, list[float]]:
+        """The last ``window`` measured drifts of each tensor (oldest first)."""
+        self.settle()
+        return self._recent
+
+    @property
+    def history(self) -> list[tuple[int, float, float]]:
+        """(step, max drift, element-weighted mean drift) of every measured reconciliation."""
+        self.settle()
+        return self._history
+
+    @property
+    def last_step(self) -> int | None:
+        self.settle()
+        return self._last_step
 
     # ------------------------------------------------------------------ measuring
 
     def measure_segments(self, segs: list[tuple[str, int, int]], before: torch.Tensor, after: torch.Tensor,
-                         wire, step: int) -> dict[str, float]:
-        """Agreed relative drift per LOCAL parameter of one reconciliation; logs a summary.
+                         wire, step: int) -> None:
+        """Agreed relative drift per LOCAL parameter of one reconciliation (read into :attr:`last`,
+        :attr:`recent`, :attr:`history` once the agreed sums have landed; logged then).
 
         ``segs``: (parameter name, offset, numel) of the flat vectors' parameter values; a name may
         have several segments, and on a partitioned optimizer each rank holds only part of a tensor
         (the sums over ranks are then over the whole tensor, the ratio is unchanged). ``before`` is
         this rank's values before averaging (its group's replica), ``after`` the cross-group average.
         Phases: 1. per name, the local ``||before - after||^2`` and ``||after||^2`` in fp64;
-        2. one SUM all-reduce of both vectors over the data-parallel group (``wire.agree``); 3. ratio.
+        2. one SUM all-reduce of both vectors over the data-parallel group (``wire.agree_later``:
+        issued now, in the schedule); 3. ratio, on the host, when the sums have landed (:meth:`poll`
+        at every step, or the first read: no host wait at the reconciliation itself).
         Collective over the DP group: every rank must call it at the same reconciliation, with the
         same names (ranks holding no part of a tensor contribute zeros).
         """
         names = sorted({n for n, _, _ in segs})
         if not names:
-            return {}
+            return
         pos = {n: i for i, n in enumerate(names)}
         dev = torch.zeros(2 * len(names), dtype=torch.float64, device=before.device)
         for name, off, n in segs:
@@ -95,26 +127,40 @@ class DriftMonitor:
             a = after[off:off + n].double()
             dev[pos[name]] += (b - a).pow(2).sum()
             dev[len(names) + pos[name]] += a.pow(2).sum()
-        agreed = wire.agree(dev, "sum").cpu().tolist()
+        weights: dict[str, int] = {}
+        for name, _, n in segs:
+            weights[name] = weights.get(name, 0) + n
+        self._pending.append((names, weights, step, wire.agree_later(dev, "sum")))
+        self.poll()
+
+    def poll(self) -> None:
+        """Read the measurements whose agreed sums have landed, in order (never waits)."""
+        while self._pending and self._pending[0][3].landed():
+            self._read(*self._pending.pop(0))
+
+    def settle(self) -> None:
+        """Read every measurement in flight (a bounded wait for the agreed sums not landed yet)."""
+        while self._pending:
+            self._read(*self._pending.pop(0))
+
+    def _read(self, names: list[str], weights: dict[str, int], step: int, agreed) -> None:
+        # A host copy made inside the agreement (Wire.agree_later), already landed: no device sync.
+        agreed = agreed.value().tolist()
         drift = {}
         for i, name in enumerate(names):
             ref = agreed[len(names) + i]
             drift[name] = math.sqrt(agreed[i]) / math.sqrt(ref) if ref > 0 else (0.0 if agreed[i] == 0 else math.inf)
-        self.last = drift
-        self.last_step = step
+        self._last = drift
+        self._last_step = step
         for name, d in drift.items():
-            self.recent[name] = (self.recent.get(name, []) + [d])[-self.window:]
-        weights: dict[str, int] = {}
-        for name, _, n in segs:
-            weights[name] = weights.get(name, 0) + n
+            self._recent[name] = (self._recent.get(name, []) + [d])[-self.window:]
         total = sum(weights.values())
         mx = max(drift.values())
         mean = sum(drift[n] * weights[n] for n in drift) / total if total else 0.0
-        self.history.append((step, mx, mean))
+        self._history.append((step, mx, mean))
         worst = max(drift, key=lambda n: (drift[n], n))
         log.info("topo_align: step %d: LOCAL drift at reconciliation: max %.3e (%s), mean %.3e over %d tensors",
                  step, mx, worst, mean, len(drift))
-        return drift
 
     # ------------------------------------------------------------------ promotion
 
@@ -224,12 +270,13 @@ class DriftMonitor:
     def load_state_dict(self, sd: dict | None) -> None:
         if not sd:
             return
-        self.last = {str(k): float(v) for k, v in sd.get("last", {}).items()}
-        self.last_step = sd.get("last_step")
-        self.history = [(int(s), float(m), float(a)) for s, m, a in sd.get("history", [])]
+        self.settle()  # a measurement in flight belongs to the state being replaced
+        self._last = {str(k): float(v) for k, v in sd.get("last", {}).items()}
+        self._last_step = sd.get("last_step")
+        self._history = [(int(s), float(m), float(a)) for s, m, a in sd.get("history", [])]
         self.promoted = [str(n) for n in sd.get("promoted", [])]
         # states of 0.2 and older carry no window, scores or demotions: the latest drift stands in
-        self.recent = {str(k): [float(x) for x in v] for k, v in sd.get("recent", {}).items()} or \
-            {k: [v] for k, v in self.last.items()}
+        self._recent = {str(k): [float(x) for x in v] for k, v in sd.get("recent", {}).items()} or \
+            {k: [v] for k, v in self._last.items()}
         self.promoted_score = {str(k): float(v) for k, v in sd.get("promoted_score", {}).items()}
         self.demoted = [str(n) for n in sd.get("demoted", [])]

@@ -242,8 +242,9 @@ class Engine:
         self.policy.last_refresh = self.step
         if not self.selective:
             return False
-        s = self.wire.agree(self.policy.local_scores(self.step).reshape(-1), "sum", cls="control")
-        new = self.policy.classify((s / self.groups.dp_size).cpu().tolist())
+        # The classes are decided on the host: the agreed scores come as a host copy (Wire.agree_later).
+        s = self.wire.agree(self.policy.local_scores(self.step).reshape(-1), "sum", cls="control", host=True)
+        new = self.policy.classify((s / self.groups.dp_size).tolist())
         if new == self.classes:
             return False
         self.reconfigure(classes=new)
@@ -280,17 +281,21 @@ class Engine:
         """Squared gradient norm equal on every rank: the mean over ranks of ``local_sq``
         (``|g_SYNC|^2 + mean_k |g_LOCAL,k|^2``; one fp64 all-reduce). ``over="inter"`` when the
         groups already agree inside (a framework reduced the norm over the island). A non-finite
-        value stays non-finite (the frameworks' overflow sentinel)."""
+        value stays non-finite (the frameworks' overflow sentinel). ``local_sq`` may live anywhere
+        (Megatron's norm is a host float): the sum travels as fp64 on the communication device,
+        where the agreed value stays."""
         if not self.selective or not self.has_local():
             return local_sq
         n = self.groups.dp_size if over == "dp" else self.groups.inter_size
-        s = self.wire.agree(local_sq.detach().double().reshape(-1), "sum", over=over, cls="control")
+        x = local_sq.detach().to(device=self.wire.device, dtype=torch.float64).reshape(-1)
+        s = self.wire.agree(x, "sum", over=over, cls="control")
         return (s / n).reshape(local_sq.shape).to(local_sq.dtype)
 
     def agree_overflow(self, flag: bool, *, over: str = "dp") -> bool:
-        """True on every rank when any rank saw an overflow (one MAX all-reduce on the comm device)."""
+        """True on every rank when any rank saw an overflow (one MAX all-reduce on the comm device;
+        the verdict is a host bool, read from a host copy made inside the agreement)."""
         t = self.wire.tensor([1.0 if flag else 0.0])
-        return bool(self.wire.agree(t, "max", over=over, cls="control").item() > 0)
+        return bool(self.wire.agree(t, "max", over=over, cls="control", host=True).item() > 0)
 
     # ------------------------------------------------------------------ the step and reconciliation
 
@@ -323,6 +328,7 @@ class Engine:
                 if refresh:
                     self.refresh_classes()
         self.stats_.end_step()
+        self.drift.poll()  # a drift measurement whose agreed sums have landed (never waits)
         if self.adaptive is not None:
             self.adaptive.after_step(optimizer)
         self.dispatcher.end_step(self.step)

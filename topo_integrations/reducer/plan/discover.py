@@ -25,6 +25,7 @@ from ...topology.discovered import probe_groups, topology_from_facts, with_measu
 from ...topology.facts import NodeFacts, collect_node_facts
 from ...topology.model import Topology, TopologyTimeout
 from ...topology.report import format_topology
+from ..watch.thread_device import object_device
 from .planning import broadcast_plan, load_configured_topology, local_hostname, plan_for, unwrap_plan
 
 __all__ = ["discover_auto", "discover_plan", "gather_facts", "probe_tiers", "PROBE_BYTES", "PROBE_ITERS"]
@@ -176,7 +177,7 @@ def _probe(topo: Topology | None, cfg: TopoAlignConfig, dp_ranks: list[int], dp_
     payload: list[Any] = [None]
     if dist.get_rank() == src:
         payload[0] = {t: [[dp_ranks[p] for p in g] for g in gs] for t, gs in probe_groups(topo).items()}
-    dist.broadcast_object_list(payload, src=src, group=dp_group)
+    dist.broadcast_object_list(payload, src=src, group=dp_group, device=object_device(dp_group))
     mine = payload[0]
     every = {t: sorted(gs) for t, gs in mine.items()}
     if dp_group is not None and len(dp_ranks) != dist.get_world_size():
@@ -215,7 +216,7 @@ def discover_auto(cfg: TopoAlignConfig, dp_ranks: list[int], dp_group) -> tuple[
             failure = _error(exc)
     if cfg.topology.probe:
         flag: list[Any] = [failure]
-        dist.broadcast_object_list(flag, src=src, group=dp_group)
+        dist.broadcast_object_list(flag, src=src, group=dp_group, device=object_device(dp_group))
         if flag[0] is not None:
             return flag[0], src
         topo = _probe(topo, cfg, dp_ranks, dp_group, src)
@@ -258,7 +259,7 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
         result, src = discover_auto(cfg, dp_ranks, dp_group)
         if isinstance(result, tuple):
             payload = [result]
-            dist.broadcast_object_list(payload, src=src, group=dp_group)
+            dist.broadcast_object_list(payload, src=src, group=dp_group, device=object_device(dp_group))
             return unwrap_plan(payload[0])
         return broadcast_plan(result, dp_group, src=src)
     hosts = None
@@ -277,6 +278,6 @@ def discover_plan(cfg: TopoAlignConfig, *, dp_ranks: list[int] | None = None, dp
         except (TopologyError, ValueError) as exc:
             kind = type(exc).__name__ if isinstance(exc, (PlanError, TopologyError)) else "ValueError"
             payload = [("error", kind, str(exc))]
-            dist.broadcast_object_list(payload, src=src, group=dp_group)
+            dist.broadcast_object_list(payload, src=src, group=dp_group, device=object_device(dp_group))
             return unwrap_plan(payload[0])
     return broadcast_plan(result, dp_group, src=src, timeout_s=cfg.fallback.timeout_s)

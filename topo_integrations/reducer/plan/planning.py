@@ -21,6 +21,7 @@ from ...topology import Plan, PlanError, Topology, TopologyError, plan_groups
 from ...topology.machine import HOSTNAME_ENV
 from ...topology.model import DEFAULT_TIERS, RankPlace
 from ..watch.bounded import bounded
+from ..watch.thread_device import object_device
 
 __all__ = ["broadcast_plan", "unwrap_plan", "local_hostname", "gather_hostnames_topology",
            "load_configured_topology", "require_middle_level", "plan_for", "HOSTNAME_ENV"]
@@ -35,15 +36,18 @@ def broadcast_plan(plan: Plan | None, group=None, *, src: int | None = None,
     A planning failure on the source rank travels as an error, so the other ranks raise the same
     :class:`PlanError` instead of waiting forever in the broadcast.
     Communication: one `broadcast_object_list` over ``group``, bounded by ``timeout_s``
-    (``fallback.timeout_s``: the group may be the default one, whose timeout is not ours).
+    (``fallback.timeout_s``: the group may be the default one, whose timeout is not ours), its bytes
+    on this rank's device (`object_device`: on NCCL the caller's GPU, named explicitly because the
+    bounded call runs in a helper thread).
     """
     if src is None:
         src = 0 if group is None else dist.get_global_rank(group, 0)
     payload: list[Any] = [None]
     if dist.get_rank() == src:
         payload[0] = ("ok", plan.dumps()) if isinstance(plan, Plan) else ("error", "PlanError", str(plan))
+    device = object_device(group)
     bounded("broadcast_object_list(plan) over the data-parallel group", timeout_s,
-            lambda: dist.broadcast_object_list(payload, src=src, group=group))
+            lambda: dist.broadcast_object_list(payload, src=src, group=group, device=device))
     return unwrap_plan(payload[0])
 
 

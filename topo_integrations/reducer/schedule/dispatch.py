@@ -92,6 +92,10 @@ class Dispatcher:
         self._chunk_s: float | None = None
         """EMA of one reconciliation chunk's time on the comm thread."""
         self._t_step_end: float | None = None
+        self._ev_step_end = None
+        """CUDA: a timing event on the training stream at the latest step's end."""
+        self._timed_windows: list[tuple] = []
+        """CUDA: (step end, first SYNC submission) event pairs not resolved yet (read a step late)."""
         self._window_plans = 0
         self._window_k = 0
         self.last_window_chunks: tuple[int, int] | None = None
@@ -146,8 +150,7 @@ class Dispatcher:
         if traffic is Traffic.SYNC:
             if not self._step_sync:
                 self._step_rc = self._rc_outstanding > 0
-                if self._t_step_end is not None:  # the window before the step's first SYNC bucket
-                    self._window_s = _ema(self._window_s, item.submitted - self._t_step_end)
+                self._window_ends(item)
             self._step_sync.append(item)
             self._release([item])
         elif self._local_open:
@@ -183,9 +186,28 @@ class Dispatcher:
     def call(self, fn: Callable[[], Any], what: str, traffic: Traffic = Traffic.CONTROL):
         """Run ``fn`` (one or more collectives) in the schedule now and return its value, once its
         data has arrived (a control value the caller reads on the host)."""
+        return self.collect(self.issue(fn, what, traffic))
+
+    def issue(self, fn: Callable[[], Any], what: str, traffic: Traffic = Traffic.CONTROL) -> Item:
+        """Release ``fn`` in the schedule now (its place in the one order); its value is read later,
+        with :meth:`collect`, by a caller that need not wait for it now."""
         item = self._item(what, traffic, fn)
         self._release([item])
-        self.sched.wait(item, host=True)
+        return item
+
+    def landed(self, item: Item) -> bool:
+        """Whether ``item``'s data has arrived (never waits)."""
+        return self.sched.landed(item)
+
+    def collect(self, item: Item, *, host: bool = True):
+        """The value of an issued item once its data has arrived (bounded host wait). Not ``host``
+        (a device value the caller goes on computing with): on CUDA the caller's stream waits for it,
+        the host does not (as for a bucket, :meth:`wait`); on the CPU the same as ``host``."""
+        if host or not self.cuda:
+            self.sched.wait(item, host=True)
+        else:
+            self.sched.wait(item, host=False)
+            item.future.wait()  # CUDA-aware: the current stream waits for the comm stream's work
         return item.result
 
     def submit_reconcile(self, chunks: list[Callable[[], None]], what: str) -> torch.futures.Future:
@@ -230,8 +252,29 @@ class Dispatcher:
         self._window_k = self._window_chunks() if self._window_plans > 0 else 0
         self._window_plans += 1
 
+    def _window_ends(self, item: Item) -> None:
+        """The step's first SYNC bucket closes the window opened at the previous step's end: its
+        length on the host clock (CPU), or between two timing events on the training stream (CUDA:
+        the host runs ahead of the device, its clock would time the enqueueing), read once landed."""
+        if self.cuda:
+            if self._ev_step_end is not None:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(torch.cuda.current_stream(self.device))
+                self._timed_windows.append((self._ev_step_end, ev))
+                del self._timed_windows[:-64]
+                self._ev_step_end = None
+        elif self._t_step_end is not None:
+            self._window_s = _ema(self._window_s, item.submitted - self._t_step_end)
+
     def _resolve_chunk_times(self) -> None:
-        """CUDA: chunk times from the timing events of chunks that have landed (never waits)."""
+        """CUDA: window and chunk times from the timing events that have landed (never waits)."""
+        windows = []
+        for start, end in self._timed_windows:
+            if end.query():
+                self._window_s = _ema(self._window_s, start.elapsed_time(end) / 1000.0)
+            else:
+                windows.append((start, end))
+        self._timed_windows = windows
         left = []
         for it in self._timed_chunks:
             start, end = it.events
@@ -250,7 +293,9 @@ class Dispatcher:
         w = self._window_s if self._window_s is not None else 0.0
         c = self._chunk_s if self._chunk_s is not None else math.inf
         vec = torch.tensor([-w, c], dtype=torch.float64, device=self.device)
-        agreed = self.wire.agree(vec, "max").cpu().tolist()
+        # k decides which chunks go now, the same on every rank: read on the host (a copy made on the
+        # comm stream inside the agreement, Wire.agree_later; no drain of the training stream).
+        agreed = self.wire.agree(vec, "max", host=True).tolist()
         window, chunk = -agreed[0], agreed[1]
         if not (chunk > 0 and math.isfinite(chunk)) or window <= 0:
             return 0
@@ -287,6 +332,9 @@ class Dispatcher:
         self._step_sync = []
         self._local_open = False
         self._t_step_end = time.perf_counter()
+        if self.cuda:  # the window opens here on the training stream (_window_ends)
+            self._ev_step_end = torch.cuda.Event(enable_timing=True)
+            self._ev_step_end.record(torch.cuda.current_stream(self.device))
         if self.trace is None:
             return
         self.drain()

@@ -37,6 +37,7 @@ import torch
 from ..kinds import Traffic
 from ..watch.completion import StreamDouble, Watch, completion_kind
 from ..watch.errors import CollectiveError
+from ..watch.thread_device import start_thread
 from .order import Trace
 
 __all__ = ["Schedule", "Item"]
@@ -124,8 +125,7 @@ class Schedule:
             if threaded and self.kind == "host":
                 self.threaded = True
         if self.kind != "host" and self.timeout_s and self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch_loop, name="topo_align_watch", daemon=True)
-            self._watcher.start()
+            self._watcher = start_thread(self._watch_loop, name="topo_align_watch")
 
     def release_user(self) -> None:
         """An engine closed; the last one stops the threads (after the released items)."""
@@ -168,8 +168,7 @@ class Schedule:
                 self._execute(it)
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="topo_align_dispatch", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._loop, name="topo_align_dispatch")
         for it in items:
             self._queue.put(it)
 

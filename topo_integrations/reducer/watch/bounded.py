@@ -1,14 +1,15 @@
 """A blocking collective bounded by ``fallback.timeout_s`` from a helper thread (:func:`bounded`).
 
 Used where the reducer calls a collective on a group without a timeout of its own (the default group
-during discovery, the plan broadcast) or outside the dispatcher's watch.
+during discovery, the plan broadcast) or outside the dispatcher's watch. The helper thread runs on
+the caller's CUDA device and stream (thread_device.py): an object collective from it on NCCL puts
+its bytes on this rank's GPU, not on ``cuda:0``.
 """
 
 from __future__ import annotations
 
-import threading
-
 from .errors import CollectiveError
+from .thread_device import start_thread
 
 __all__ = ["bounded"]
 
@@ -28,8 +29,7 @@ def bounded(what: str, timeout_s: float | None, fn):
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
             box["err"] = exc
 
-    th = threading.Thread(target=target, name="topo_align_bounded", daemon=True)
-    th.start()
+    th = start_thread(target, name="topo_align_bounded")
     th.join(timeout_s)
     if th.is_alive():
         raise CollectiveError(f"topo_align: {what} did not complete within fallback.timeout_s = {timeout_s:g}s "

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import CollectiveError
+from .thread_device import start_thread
 
 __all__ = ["InFlight", "Watch", "StreamDouble", "DEFERRED_ENV", "completion_kind", "backstop_timeout_s"]
 
@@ -153,8 +154,7 @@ class StreamDouble:
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.aborted = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="topo_align_stream_double", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, name="topo_align_stream_double")
 
     def enqueue(self, fn: Callable[[], None]) -> None:
         self._q.put(fn)

@@ -21,7 +21,7 @@ import torch
 from . import collectives as C
 from .compression import is_lossy
 
-__all__ = ["Wire"]
+__all__ = ["Wire", "Agreed"]
 
 
 class Wire:
@@ -141,11 +141,40 @@ class Wire:
             out.append(job)
         return out
 
-    def agree(self, x: torch.Tensor, op: str = "sum", *, over: str = "dp", cls: str = "control") -> torch.Tensor:
+    def agree(self, x: torch.Tensor, op: str = "sum", *, over: str = "dp", cls: str = "control",
+              host: bool = False) -> torch.Tensor:
         """SUM or MAX of ``x`` over the DP group (``over="dp"``) or my rail (``"inter"``); a copy.
-        Through the dispatcher when there is one (its place in the schedule)."""
+        Through the dispatcher when there is one (its place in the schedule). On CUDA the value is
+        the caller's stream's to use (a stream wait; the host does not wait for it); ``host``: the
+        value as a host tensor, for a decision the caller takes on the host (:meth:`agree_later`)."""
+        return self.agree_later(x, op, over=over, cls=cls, host=host).value()
+
+    def agree_later(self, x: torch.Tensor, op: str = "sum", *, over: str = "dp", cls: str = "control",
+                    host: bool = True) -> "Agreed":
+        """:meth:`agree` issued now, its value read later (:class:`Agreed`). ``host``: the value is
+        copied to the host on the communication stream inside the agreement (CUDA: a non-blocking
+        copy into pinned memory, done when the item has landed), so reading it waits for that item
+        only, never for the training stream's later work (no ``.cpu()`` on the caller's stream)."""
         def fn():
-            return C.agree_scalar(x, self.groups, op, over=over, record=self._rec[cls])
+            y = C.agree_scalar(x, self.groups, op, over=over, record=self._rec[cls])
+            return y.to("cpu", non_blocking=self.dispatch is not None) if host else y
         if self.dispatch is None:
-            return fn()
-        return self.dispatch.call(fn, f"agree({op}) over {over}", cls)
+            return Agreed(None, value=fn())
+        return Agreed(self.dispatch, self.dispatch.issue(fn, f"agree({op}) over {over}", cls), host=host)
+
+
+class Agreed:
+    """An agreement issued in the schedule (:meth:`Wire.agree_later`) whose value is read later: the
+    host waits (bounded, :meth:`Dispatcher.collect`) only when it reads a value not landed yet."""
+
+    def __init__(self, dispatch, item=None, *, value=None, host: bool = True):
+        self.dispatch, self.item, self._value, self.host = dispatch, item, value, host
+
+    def landed(self) -> bool:
+        """Whether :meth:`value` returns without waiting."""
+        return self.dispatch is None or self.dispatch.landed(self.item)
+
+    def value(self) -> torch.Tensor:
+        """The agreed tensor (raises the agreement's error, if it failed): a host copy that has
+        landed (``host``), or a device tensor the caller's stream waits for."""
+        return self._value if self.dispatch is None else self.dispatch.collect(self.item, host=self.host)
