@@ -36,6 +36,7 @@ PARTS = [
     ("test_completion", "_faithful", {DEFERRED_ENV: "1"}, 200),
     ("test_convergence", "_rank_main", {}, 280),
     ("test_reducer_modes", "_rank_main", {}, 240),
+    ("test_method_auto", "_rank_main", {}, 150),
     ("test_discovery_world", "_worker", {}, 240),
 ]
 TIMEOUT = sum(p[3] for p in PARTS)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ...config import LOCAL_CLASS_KEYS, MANY_GROUPS, ConfigError, Mode, TopoAlignConfig, resolve_bucket_mb, resolve_sync
 
-__all__ = ["resolved_config"]
+__all__ = ["resolved_config", "with_keys"]
 
 
 def _with(cfg, section: str, got: dict):
@@ -24,6 +24,18 @@ def _with(cfg, section: str, got: dict):
     out = cfg.model_copy(update={section: new})
     out.__pydantic_fields_set__ = set(cfg.model_fields_set)
     return out
+
+
+def with_keys(cfg: TopoAlignConfig, dotted: dict) -> TopoAlignConfig:
+    """``cfg`` with the dotted keys' values (``{"sync.dtype": "int8"}``), the user's set-keys record
+    kept (`method: auto` sets them: reducer/adaptive/method.py)."""
+    by: dict[str, dict] = {}
+    for key, value in dotted.items():
+        section, name = key.split(".")
+        by.setdefault(section, {})[name] = value
+    for section, got in by.items():
+        cfg = _with(cfg, section, got)
+    return cfg
 
 
 def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfig, str | None]:
@@ -47,14 +59,17 @@ def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfi
     auto = [k for k in ("dtype", "top_fraction") if getattr(s, k) == "auto"]
     got = dict(zip(("dtype", "top_fraction"), resolve_sync(s.dtype, s.top_fraction, n_groups)))
     selective = cfg.mode == Mode.SELECTIVE
-    if selective and n_groups >= 2 and got["top_fraction"] >= 1.0:
+    # `method: auto` times the first steps with every tensor SYNC, then a LOCAL-class key set means a
+    # LOCAL class (reducer/adaptive/method.py): nothing to refuse.
+    if selective and n_groups >= 2 and got["top_fraction"] >= 1.0 and cfg.method != "auto":
         _refuse_local_keys(cfg, n_groups, auto="top_fraction" in auto)
     if auto:
         cfg = _with(cfg, "sync", got)
         if selective:
             notes.insert(0, f"{', '.join(f'sync.{k} auto -> {got[k]}' for k in auto)} at {n_groups} groups "
                             f"(from {MANY_GROUPS} on, every tensor is SYNC on the int8 wire: docs/convergence.md, "
-                            "\"Many islands\")")
+                            "\"Many islands\")" + ("; method auto chooses after timing the first steps"
+                                                   if cfg.method == "auto" else ""))
     return cfg, ("topo_align: " + "; ".join(notes)) if notes else None
 
 

@@ -105,6 +105,9 @@ class Dispatcher:
         self._step_rc = False
         self._local_open = False
         """After sync_done and until all_submitted: LOCAL buckets go when submitted."""
+        self.waited_s = 0.0
+        """Seconds callers blocked in :meth:`wait` and :meth:`call` (`method: auto` takes them out of
+        the step to time the compute: reducer/adaptive/method.py)."""
 
     # ------------------------------------------------------------------ policy inputs
 
@@ -176,16 +179,22 @@ class Dispatcher:
                 self._release(self._take_held(reconcile=False))
             if any(i is item for i in self._held_reconcile):
                 self._release(self._take_held(reconcile=True))
-            self.sched.wait(item, host=False)
-            return item.value if not self.cuda and item.value is not None else fut.wait()
+            t0 = time.perf_counter()
+            try:
+                self.sched.wait(item, host=False)
+                return item.value if not self.cuda and item.value is not None else fut.wait()
+            finally:
+                self.waited_s += time.perf_counter() - t0
         return fut.wait()
 
     def call(self, fn: Callable[[], Any], what: str, traffic: Traffic = Traffic.CONTROL):
         """Run ``fn`` (one or more collectives) in the schedule now and return its value, once its
         data has arrived (a control value the caller reads on the host)."""
         item = self._item(what, traffic, fn)
+        t0 = time.perf_counter()
         self._release([item])
         self.sched.wait(item, host=True)
+        self.waited_s += time.perf_counter() - t0
         return item.result
 
     def submit_reconcile(self, chunks: list[Callable[[], None]], what: str) -> torch.futures.Future:
