@@ -38,6 +38,7 @@ PARTS = [
     ("test_reducer_modes", "_rank_main", {}, 240),
     ("test_resume_v1", "_rank_main", {}, 240),
     ("test_fsdp", "_rank_main", {}, 200),
+    ("test_method_auto", "_rank_main", {}, 150),
     ("test_discovery_world", "_worker", {}, 240),
 ]
 TIMEOUT = sum(p[3] for p in PARTS)

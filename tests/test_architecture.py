@@ -5,7 +5,7 @@ Every ``import`` and ``from ... import`` in every module counts, at module level
 
     config <- topology <- reducer <- torch | deepspeed | megatron <- train <- bench <- cli
                                       torch <- fsdp
-                       \\- sim, emulate (topology only)
+                       \\- sim, emulate (topology only; reducer asks sim for `method: auto`)
                        doctor, plot (topology)     diagnostics (reducer, doctor, emulate)
 
 Also checked here: the adapters (torch, deepspeed, megatron, fsdp) issue no collective of their own and
@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     "plot": {"topology"},
     "sim": {"config", "topology"},
     "emulate": {"config", "topology"},
-    "reducer": {"config", "topology"},
+    "reducer": {"config", "topology", "sim"},  # `method: auto` predicts with the cost model (docs/costmodel.md 6)
     "": {"config", "topology", "reducer", "torch"},
     "diagnostics": {"config", "topology", "reducer", "doctor", "emulate"},
     "torch": {"config", "topology", "reducer"},  # GroupedReducer and the DDP comm hook

@@ -486,6 +486,29 @@ def test_constant_schedule_and_the_long_preset_defaults():
 
 
 @pytest.mark.timeout(10)
+def test_powersgd_bf16_hierarchical_and_auto_peers():
+    from topo_integrations.bench.systems import TOPO_KEYS, powersgd_payload, topo_block
+    from topo_integrations.config import TopoAlignConfig
+
+    # rank 4: a 64 x 256 matrix goes as P (64 x 4) + Q (256 x 4); a vector and a 4 x 4 matrix as they are
+    assert powersgd_payload([(64, 256), (64,), (4, 4)], 4) == 4 * (64 + 256) + 64 + 16
+    assert powersgd_payload([(8, 3, 3, 3)], 1) == 8 + 27  # viewed as 8 x 27, then compressed at rank 1
+    # plain all-reduces before its start step, then the payload, over the world (3S per all-reduce on 2 x 2)
+    th = theory_bytes("ddp-powersgd-r4", L2X2, P, {"steps": 10, "powersgd_start": 2, "powersgd_payload": P // 100})
+    assert th["node"] == pytest.approx((2 * 3 * S + 8 * 3 * S / 100) / 10)
+    # the bf16 rail wire halves hierarchical's cross-node bytes (the slow tier of FSDP2 HSDP in bf16)
+    assert theory_bytes("topo-hier-bf16", L2X2, P, {"steps": 1})["node"] == pytest.approx(S)
+    assert theory_bytes("topo-auto", L2X2, P, {"steps": 8, "sync_fraction": 1.0, "sync_dtype": "int8"})["node"] \
+        == pytest.approx(2 * S / 4 * (1 + 4 / 256))
+    spec = {"topology_file": "t.json", "group_by": "island", "sync_last_n_layers": 5, "reconcile_interval": 4}
+    for key, mode in (("topo-hier-bf16", "hierarchical"), ("topo-auto", "selective")):
+        cfg = TopoAlignConfig.model_validate(topo_block({**spec, "system": key}, mode, async_reconcile=True))
+        assert cfg.mode == mode and key in TOPO_KEYS and key in SYSTEMS and not SYSTEMS[key].default
+    assert cfg.method == "auto" and "reconcile_interval" not in cfg.local.model_fields_set
+    assert SYSTEMS["ddp-powersgd-r1"].label == "PyTorch DDP + PowerSGD hook (rank 1)"
+
+
+@pytest.mark.timeout(10)
 def test_post_local_sgd_period_variants():
     from topo_integrations.bench.systems import averaging_period, is_local, resolve
 
@@ -617,8 +640,9 @@ def quick_run(tmp_path_factory):
         pytest.skip(f"emulated cluster unavailable: {_REASON}")
     out = tmp_path_factory.mktemp("bench")
     md = out / "benchmarks.md"
-    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--quick", "--systems", "ddp,topo-hier",
-                             "--out-dir", str(out), "--markdown", str(md), "--img-dir", str(out / "img")],
+    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--quick",
+                             "--systems", "ddp,topo-hier,ddp-powersgd-r4", "--out-dir", str(out),
+                             "--markdown", str(md), "--img-dir", str(out / "img")],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=170)
     left = [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")]
@@ -631,7 +655,7 @@ def quick_run(tmp_path_factory):
 @pytest.mark.timeout(180)
 def test_quick_bench_runs_both_systems(quick_run):
     assert quick_run["rc"] == 0, quick_run["stderr"][-2000:]
-    assert [e["status"] for e in quick_run["results"]["systems"]] == ["ok", "ok"]
+    assert [e["status"] for e in quick_run["results"]["systems"]] == ["ok", "ok", "ok"]
     assert quick_run["left"] == []
 
 
@@ -639,7 +663,9 @@ def test_quick_bench_runs_both_systems(quick_run):
 @pytest.mark.timeout(180)
 def test_quick_bench_bytes_match_theory(quick_run):
     by = {e["key"]: e for e in quick_run["results"]["systems"]}
-    for key in ("ddp", "topo-hier"):
+    # PowerSGD (issue 38): one DDP bucket, so gloo matches its chained all-reduces; plain for 2 steps, then factors
+    assert by["ddp-powersgd-r4"]["result"]["info"]["powersgd_start"] == 2
+    for key in ("ddp", "topo-hier", "ddp-powersgd-r4"):
         m = by[key]["measured"]["cross_node_bytes_per_step"]
         th = by[key]["theory"]["cross_node_bytes_per_step"]
         assert th > 0 and abs(m / th - 1) <= 0.10, (key, m, th)

@@ -39,6 +39,7 @@ import os
 import pytest
 from pydantic import BaseModel
 
+from topo_integrations.auto_values import METHOD_KEYS
 from topo_integrations.config import ConfigError, TopoAlignConfig
 
 ADAPTERS = ("GroupedReducer", "ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "Megatron DDP", "Megatron distopt", "FSDP2")
@@ -85,6 +86,7 @@ NONDEFAULT: dict[str, tuple[object, dict]] = {
     "adaptive.window": (5, {}),
     "monitor.log_interval": (3, {}),
     "monitor.check_collectives": (True, {}),
+    "method": ("auto", {}),
 }
 
 MEGATRON = ("Megatron DDP", "Megatron distopt")
@@ -104,7 +106,11 @@ REFUSED: dict[tuple[str, str], tuple[str, ...]] = {
     # FSDP2 owns its buckets and when it reduces; LOCAL gradients ride its island reduce-scatter; with the
     # model sharded per island, turning the plugin off would leave the islands unreduced (fsdp/refusals.py)
     **{("FSDP2", k): (f"{k} = {NONDEFAULT[k][0]!r}", "FSDP2 adapter")
-       for k in ("enabled", "communication.bucket_size_mb", "communication.overlap", "local.dtype")},
+       for k in ("enabled", "communication.bucket_size_mb", "communication.overlap", "local.dtype", "method")},
+    # `method: auto` switches the method at run time in GroupedReducer only (issue 38); at ZeRO-3, checked
+    # in `hierarchical`, the config refuses it first (auto chooses among settings of `selective`)
+    **{(a, "method"): ("method = 'auto'", "adapter") for a in ("ZeRO-0", "ZeRO-1", "ZeRO-2", *MEGATRON)},
+    ("ZeRO-3", "method"): ("method = 'auto'", "mode 'selective'"),
     # ZeRO-3 refuses the mode the selective keys belong to (they are checked in `selective` there).
     **{("ZeRO-3", k): ("topo_align.mode = 'selective' with zero_optimization.stage = 3",)
        for k in NONDEFAULT if k.startswith(SELECTIVE_ONLY)},
@@ -263,6 +269,7 @@ def _signature(red, records: list[str]) -> dict:
         "params": torch.cat([p.detach().reshape(-1) for p in red._params.values()]).sum().item(),
         "log": len([r for r in records if "GroupedReducer step" in r]),
         "from_hooks": st["launched_from_hooks"],
+        "method": None if e.method is None else (e.method.method, e.method.interval),
     }
 
 
@@ -328,6 +335,8 @@ def _effects(rank: int, records: list[str]) -> dict:
         common = {"mode": _mode("GroupedReducer", key), "local.reconcile_interval": 2,
                   "sync.top_fraction": 0.15, "sync.dtype": "bf16",
                   **{k: v for k, v in companions.items() if k not in ("topology.source", "topology.file")}}
+        if key == "method":  # `auto` sets these itself (refused beside it); it chooses after 4 timed steps
+            common = {k: v for k, v in common.items() if k not in METHOD_KEYS}
         ref_key = json.dumps(common, sort_keys=True, default=str)
         if ref_key not in base:
             base[ref_key] = run(common)

@@ -176,6 +176,10 @@ REFUSED = [
      "topo_align: importance.method = 'hutchinson' (--topo-align-importance) is not supported by the Megatron "
      "adapter (TopoAlignDDP): with pipeline parallelism no stage computes the whole loss, so there is no loss "
      "closure to differentiate twice; use 'fisher' or 'magnitude'"),
+    ({"method": "auto"}, dict(),
+     "topo_align: method = 'auto' is not supported by the Megatron adapter (TopoAlignDDP): the method is switched "
+     "at run time in GroupedReducer only; set the mode and its keys (`topo-align simulate` prints what method auto "
+     "would choose for a cluster) and remove the key"),
 ]
 
 ACCEPTED = [

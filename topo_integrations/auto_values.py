@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["MANY_GROUPS", "SYNC_AUTO", "resolve_sync", "LOCAL_CLASS_KEYS", "keeps_local_class",
            "local_class_defaults", "BUCKET_MB_MIN",
-           "BUCKET_MB_PER_GROUP", "resolve_bucket_mb"]
+           "BUCKET_MB_PER_GROUP", "resolve_bucket_mb", "METHOD_KEYS", "keys_without_effect"]
 
 # `auto` sync.dtype / top_fraction below (False) / from (True) MANY_GROUPS groups (convergence.md "Many islands"):
 # from 2 groups on, i.e. wherever `selective` has a second tier; the bf16 / 0.15 row is what an
@@ -60,3 +60,36 @@ def resolve_bucket_mb(bucket_size_mb: float | str, n_groups: int) -> float:
     if bucket_size_mb != "auto":
         return float(bucket_size_mb)
     return min(65536.0, max(BUCKET_MB_MIN, BUCKET_MB_PER_GROUP * n_groups))
+
+
+# `method: auto` chooses these keys at run time (sim/choose.py, docs/costmodel.md section 6); set beside
+# it they would be overridden, so the block is refused (an `auto` value is no setting).
+METHOD_KEYS = ("sync.dtype", "sync.top_fraction", "local.reconcile_interval")
+
+
+def keys_without_effect(cfg, selective) -> str | None:
+    """Why a validated ``topo_align`` block (a TopoAlignConfig) sets a key that would not act, or None:
+    ``communication.inter_dtype`` in `selective` (``selective``: config's ``Mode.SELECTIVE``; SYNC
+    crosses on ``sync.dtype``), and beside ``method: auto`` another mode or a key of ``METHOD_KEYS``."""
+    comm = cfg.communication
+    if cfg.mode == selective and "inter_dtype" in comm.model_fields_set and comm.inter_dtype != "fp32":
+        return (f"communication.inter_dtype = {comm.inter_dtype!r} has no effect in mode 'selective' (the SYNC "
+                "hop across groups uses sync.dtype, LOCAL gradients stay inside the group); set sync.dtype "
+                "instead, or use mode 'hierarchical'")
+    if cfg.method != "auto":
+        return None
+    if cfg.mode != selective:
+        return (f"method = 'auto' chooses among settings of mode 'selective' (its exact candidate is every tensor "
+                f"SYNC on an fp32 wire, which equals 'hierarchical'); mode = {cfg.mode!r} is set too: remove it, "
+                "or set method 'fixed' to keep it")
+    def value(key: str):
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    got = [k for k in METHOD_KEYS if k in cfg.explicit_keys() and value(k) != "auto"]
+    if not got:
+        return None
+    it = "it" if len(got) == 1 else "them"
+    return (f"method = 'auto' chooses sync.dtype, sync.top_fraction and local.reconcile_interval itself "
+            f"(docs/costmodel.md, section 6); {', '.join(f'{k} = {value(k)!r}' for k in got)} set too: remove "
+            f"{it}, or set method 'fixed' to keep {it}")

@@ -25,6 +25,7 @@ from .auto_values import (  # noqa: F401 (re-exported)
     MANY_GROUPS,
     SYNC_AUTO,
     keeps_local_class,
+    keys_without_effect,
     local_class_defaults,
     resolve_bucket_mb,
     resolve_sync,
@@ -325,6 +326,12 @@ class TopoAlignConfig(_Section):
     """`flat` (one all-reduce), `hierarchical` (exact: intra reduce-scatter, inter all-reduce, intra
     all-gather) or `selective` (SYNC tensors every step, LOCAL inside groups with periodic reconciliation)."""
 
+    method: Literal["fixed", "auto"] = "fixed"
+    """`fixed` (default): the keys as set. `auto` (mode `selective`): the engine times the first steps'
+    compute and picks, with the cost model of `topo-align simulate`, every tensor SYNC on fp32 (=
+    `hierarchical`) or int8, or a LOCAL class reconciled every H steps; it sets `sync.dtype`,
+    `sync.top_fraction`, `local.reconcile_interval` (docs/costmodel.md, section 6). GroupedReducer only."""
+
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     """How the topology is discovered and planned."""
 
@@ -350,16 +357,10 @@ class TopoAlignConfig(_Section):
     """Statistics logging."""
 
     @model_validator(mode="after")
-    def _inter_dtype_has_an_effect(self) -> TopoAlignConfig:
-        # In `selective` every adapter's engine sends SYNC across groups in sync.dtype and keeps
-        # LOCAL inside the island: an explicit other inter_dtype would be accepted and ignored.
-        comm = self.communication
-        if self.mode == "selective" and "inter_dtype" in comm.model_fields_set and \
-                comm.inter_dtype != CommunicationConfig().inter_dtype:
-            raise ValueError(
-                f"communication.inter_dtype = {comm.inter_dtype!r} has no effect in mode 'selective' (the SYNC "
-                "hop across groups uses sync.dtype, LOCAL gradients stay inside the group); set sync.dtype "
-                "instead, or use mode 'hierarchical'")
+    def _keys_have_an_effect(self) -> TopoAlignConfig:
+        # A key accepted and then ignored is an error (auto_values.keys_without_effect).
+        if why := keys_without_effect(self, Mode.SELECTIVE):
+            raise ValueError(why)
         return self
 
     def explicit_keys(self) -> set[str]:

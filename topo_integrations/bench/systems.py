@@ -25,7 +25,7 @@ LOCALSGD_PERIOD = 4
 __all__ = ["System", "SYSTEMS", "DEFAULT_SYSTEMS", "Layout", "ring_bytes", "theory_bytes", "availability",
            "LOCALSGD_PERIOD", "LOCAL_METHODS", "resolve", "averaging_period", "is_local", "torchft_period",
            "TORCHFT_SYSTEMS", "TOPO_MODES", "topo_block", "plan_layout", "system_layout", "theory_layouts",
-           "selective_parts"]
+           "selective_parts", "TOPO_KEYS", "powersgd_rank", "powersgd_payload"]
 
 
 @dataclass(frozen=True)
@@ -80,20 +80,22 @@ def flat_ring(layout: Layout, nbytes: float) -> dict[str, float]:
     return ring_bytes(layout, range(layout.world), nbytes, "allreduce")
 
 
-def hierarchical(layout: Layout, nbytes: float) -> dict[str, float]:
+def hierarchical(layout: Layout, nbytes: float, inter_bytes: float | None = None) -> dict[str, float]:
     """Intra reduce-scatter + rail all-reduce of the 1/k shard + intra all-gather; with three levels
     the rail step is a leaf-rail reduce-scatter of the 1/k shard, a spine-rail all-reduce of the
-    1/(k*m) piece and the leaf-rail all-gather (m = islands per leaf)."""
+    1/(k*m) piece and the leaf-rail all-gather (m = islands per leaf). ``inter_bytes``: the gradient
+    re-expressed in the cross-group wire's dtype (``communication.inter_dtype``; default ``nbytes``)."""
     if layout.groups is None:
         return flat_ring(layout, nbytes)
     k = len(layout.groups[0])
+    ib = nbytes if inter_bytes is None else inter_bytes
     parts = [ring_bytes(layout, g, nbytes, kind) for g in layout.groups for kind in ("scatter", "gather")]
     if layout.spine_rails:
         m = len(layout.leaf_rails[0])
-        parts += [ring_bytes(layout, r, nbytes / k, kind) for r in layout.leaf_rails for kind in ("scatter", "gather")]
-        parts += [ring_bytes(layout, r, nbytes / (k * m), "allreduce") for r in layout.spine_rails]
+        parts += [ring_bytes(layout, r, ib / k, kind) for r in layout.leaf_rails for kind in ("scatter", "gather")]
+        parts += [ring_bytes(layout, r, ib / (k * m), "allreduce") for r in layout.spine_rails]
     else:
-        parts += [ring_bytes(layout, r, nbytes / k, "allreduce") for r in layout.rails]
+        parts += [ring_bytes(layout, r, ib / k, "allreduce") for r in layout.rails]
     return _add(*parts)
 
 
@@ -117,13 +119,21 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
         return flat_ring(layout, S)
     if key == "ddp-fp16":
         return flat_ring(layout, S / 2)
+    if key.startswith("ddp-powersgd"):
+        # PowerSGD (one DDP bucket): plain all-reduces until its start step, then per step three
+        # all-reduces over the world (the tensors it leaves uncompressed, the P and the Q factors).
+        w = min(steps, int(info.get("powersgd_start", 0)))
+        small = 4.0 * float(info.get("powersgd_payload", params))
+        return {k: (w * v + (steps - w) * small / S * v) / steps for k, v in flat_ring(layout, S).items()}
     if key == "megatron-distopt":
         # Instances = nodes: reduce-scatter inside the instance, all-reduce of the shard across
         # instances, parameter all-gather inside the instance: the hierarchical pattern by node.
         return hierarchical(Layout(layout.hosts, layout.leaves, _node_groups(layout)), S)  # 2 levels
     if key in ("topo-hier", "ds-topo-hier"):
         return hierarchical(layout, S)
-    if key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1"):
+    if key == "topo-hier-bf16":  # the slow-tier bytes of FSDP2 HSDP with bf16 reduction
+        return hierarchical(layout, S, S / 2)
+    if key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1", "topo-auto"):
         if layout.groups is None:  # the plan is flat: selective falls back to one all-reduce
             return flat_ring(layout, S)
         parts = selective_parts(layout, params, info)
@@ -153,6 +163,27 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
 
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1 + 4 / 256}  # int8: one fp32 scale per 256
+
+
+def powersgd_rank(key: str) -> int:
+    """The approximation rank a ``ddp-powersgd-rN`` key names."""
+    return int(key.rsplit("-r", 1)[1])
+
+
+def powersgd_payload(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float = 2.0) -> int:
+    """Elements PowerSGD's hook all-reduces per compressed step for gradients of ``shapes`` (torch's
+    powerSGD_hook: each tensor viewed as ``shape[0] x rest``; compressed to P (n x r') and Q (m x r'),
+    r' = min(n, m, rank), when ``(n + m) r' min_compression_rate < n m``, else sent as it is)."""
+    out = 0
+    for shape in shapes:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        n = int(shape[0]) if len(shape) else 1
+        m = numel // max(1, n)
+        r = min(n, m, rank)
+        out += (n + m) * r if (n + m) * r * min_compression_rate < n * m else numel
+    return out
 
 
 def selective_parts(layout: Layout, params: int, info: dict) -> dict[str, dict[str, float]] | None:
@@ -211,20 +242,28 @@ def reconcile_payload(local_elements: float, n_rec: int, info: dict) -> float:
 TOPO_MODES: dict[str, str] = {
     "topo-flat": "flat", "topo-hier": "hierarchical", "topo-selective": "selective",
     "ds-topo-hier": "hierarchical", "ds-topo-selective": "selective", "ds-topo-selective-z1": "selective",
+    "topo-hier-bf16": "hierarchical", "topo-auto": "selective",
 }
 """The ``topo_align.mode`` each topo-align system runs (trainers.build)."""
+TOPO_KEYS: dict[str, dict] = {"topo-hier-bf16": {"communication": {"inter_dtype": "bf16"}},
+                              "topo-auto": {"method": "auto"}}
+"""Keys of a system's block beside its mode: hierarchical on a bf16 wire (the slow-tier bytes of
+FSDP2 HSDP with bf16 reduction); `method: auto` (docs/costmodel.md, section 6)."""
 
 
 def topo_block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
     """The ``topo_align`` block a topo-align system runs with (trainers; ``system_layout`` plans
-    from the same block): the worker spec's topology, ``--sync-last-n-layers``,
-    ``--reconcile-interval`` and ``--topo-set`` keys."""
+    from the same block): the worker spec's topology, the system's own keys (``TOPO_KEYS``),
+    ``--sync-last-n-layers``, ``--reconcile-interval`` and ``--topo-set`` keys."""
+    import copy
+
     from ..config import local_class_defaults
 
     block = {
         "enabled": True, "mode": mode,
         "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
                      "middle_level": bool(spec.get("middle_level", False))},
+        **copy.deepcopy(TOPO_KEYS.get(spec.get("system", ""), {})),
     }
     ours = {"sync.last_n_layers": spec["sync_last_n_layers"], "local.async_reconcile": async_reconcile}
     if spec.get("reconcile_interval"):  # --reconcile-interval; else topo-align's own default
@@ -268,7 +307,7 @@ def system_layout(key: str, topo, *, topology_file: str, group_by: str, middle_l
     from ..config import TopoAlignConfig
     from ..reducer.plan.planning import plan_for
 
-    spec = {"topology_file": topology_file, "group_by": group_by, "middle_level": middle_level,
+    spec = {"system": key, "topology_file": topology_file, "group_by": group_by, "middle_level": middle_level,
             "sync_last_n_layers": sync_last_n_layers, "reconcile_interval": reconcile_interval,
             "topo_set": dict(topo_set or {})}
     cfg = TopoAlignConfig.model_validate(topo_block(spec, mode, async_reconcile=False))
@@ -323,6 +362,14 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
     System("ddp", "PyTorch DDP", "torch", ("torch.nn.parallel:DistributedDataParallel",)),
     System("ddp-fp16", "PyTorch DDP + fp16_compress_hook", "torch",
            ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks:fp16_compress_hook",)),
+    System("ddp-powersgd-r1", "PyTorch DDP + PowerSGD hook (rank 1)", "torch",
+           ("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook:powerSGD_hook",),
+           "error feedback and warm start on; one DDP bucket (gloo matches its chained all-reduces by order)",
+           default=False),
+    System("ddp-powersgd-r4", "PyTorch DDP + PowerSGD hook (rank 4)", "torch",
+           ("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook:powerSGD_hook",),
+           "error feedback and warm start on; one DDP bucket (gloo matches its chained all-reduces by order)",
+           default=False),
     System("post-local-sgd", "PyTorch post-local SGD + HierarchicalModelAverager", "torch",
            ("torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook:post_localSGD_hook",
             "torch.distributed.algorithms.model_averaging.hierarchical_model_averager:HierarchicalModelAverager")),
@@ -332,6 +379,13 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
            ("topo_integrations.torch:GroupedReducer",)),
     System("topo-selective", "topo-align selective (GroupedReducer)", "topo-align",
            ("topo_integrations.torch:GroupedReducer",)),
+    System("topo-hier-bf16", "topo-align hierarchical, bf16 wire (GroupedReducer)", "topo-align",
+           ("topo_integrations.torch:GroupedReducer",),
+           "communication.inter_dtype bf16: the slow-tier bytes of FSDP2 HSDP with bf16 reduction", default=False),
+    System("topo-auto", "topo-align method auto (GroupedReducer)", "topo-align",
+           ("topo_integrations.torch:GroupedReducer",),
+           "method auto: the engine times 4 steps and chooses the method (docs/costmodel.md, section 6)",
+           default=False),
     System("ds-topo-hier", "topo-align hierarchical in DeepSpeed ZeRO-0", "topo-align",
            ("deepspeed", "topo_integrations.deepspeed:initialize")),
     System("ds-topo-selective", "topo-align selective in DeepSpeed ZeRO-0", "topo-align",
@@ -356,7 +410,7 @@ TORCHFT_SYSTEMS = ("torchft-diloco", "torchft-localsgd")
 """torchft's DiLoCo and LocalSGD (pip extra ``torchft``): one replica group per topology group,
 DDP inside it, torchft's Manager and outer loop across groups every H steps (trainers._TorchFT)."""
 
-LOCAL_METHODS = ("post-local-sgd", "topo-selective", "ds-topo-selective", "ds-topo-selective-z1")
+LOCAL_METHODS = ("post-local-sgd", "topo-selective", "ds-topo-selective", "ds-topo-selective-z1", "topo-auto")
 """Systems whose replicas differ between groups between averagings (post-local SGD and its
 ``-hN`` variants, selective): validation along the run evaluates the mean of the replicas."""
 

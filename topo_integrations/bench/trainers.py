@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Mode
-from .systems import LOCALSGD_PERIOD, topo_block, torchft_period
+from .systems import LOCALSGD_PERIOD, TOPO_MODES, powersgd_payload, powersgd_rank, topo_block, torchft_period
 
 __all__ = ["build", "lr_at_step"]
 
@@ -92,15 +92,36 @@ class _Plain:
 
 
 class _DDP(_Plain):
+    """DDP, plain, with its fp16 hook, or with PowerSGD (``ddp-powersgd-rN``: rank N, error feedback and
+    warm start, plain all-reduces for the warm-up's steps, then compressed): PowerSGD chains three
+    all-reduces per bucket, matched by order on gloo, so all gradients go in one bucket."""
+
     def __init__(self, spec: dict, hook: str | None = None):
         super().__init__(spec)
         from torch.nn.parallel import DistributedDataParallel
 
-        self.net = DistributedDataParallel(self.model)
+        one = {"bucket_cap_mb": 1 << 20} if hook == "powersgd" else {}  # one bucket: larger than any model here
+        self.net = DistributedDataParallel(self.model, **one)
+        self.psgd = None
         if hook == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             self.net.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
+        elif hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+            self.psgd = ps.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank(spec["system"]),
+                                         start_powerSGD_iter=max(2, spec["localsgd_warmup"]), use_error_feedback=True,
+                                         warm_start=True, random_seed=spec["seed"])
+            self.net.register_comm_hook(self.psgd, ps.powerSGD_hook)
+
+    def info(self) -> dict:
+        if self.psgd is None:
+            return {}
+        shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
+        return {"powersgd_rank": self.psgd.matrix_approximation_rank, "powersgd_start": self.psgd.start_powerSGD_iter,
+                "powersgd_payload": powersgd_payload(shapes, self.psgd.matrix_approximation_rank,
+                                                     self.psgd.min_compression_rate)}
 
 
 class _PostLocalSGD(_Plain):
@@ -284,11 +305,11 @@ class _Reducer(_Plain):
         st = self.reducer.stats()
         total = st["sync_elements"] + st["local_elements"]
         return {
-            "mode": st["mode"],
+            "mode": st["mode"], "method": st.get("method"),  # `method: auto`'s choice (topo-auto)
             "fallback_reason": st.get("fallback_reason"),
             "sync_fraction": st["sync_elements"] / max(1, total),
             **_reconcile_info(self.reducer.engine.cfg),
-            "reconciles": (st["optimizer_steps"] // self.cfg.local.reconcile_interval
+            "reconciles": (st["optimizer_steps"] // self.reducer.engine.cfg.local.reconcile_interval
                            if st["mode"] == Mode.SELECTIVE else 0),
             "reducer_bytes_total": st["total"]["bytes"],
             "reducer_steps": st["steps"],
@@ -459,12 +480,14 @@ def build(spec: dict):
         return _DDP(spec)
     if key == "ddp-fp16":
         return _DDP(spec, hook="fp16")
+    if key.startswith("ddp-powersgd-r"):
+        return _DDP(spec, hook="powersgd")
     if torchft_period(key) is not None:  # torchft-diloco, torchft-localsgd and their -hN variants
         return _TorchFT(spec)
     if key == "post-local-sgd" or spec.get("averaging_period"):  # post-local-sgd-hN: averaging_period N
         return _PostLocalSGD(spec)
-    if key in ("topo-flat", "topo-hier", "topo-selective"):
-        return _Reducer(spec, {"topo-flat": "flat", "topo-hier": "hierarchical", "topo-selective": "selective"}[key])
+    if key in ("topo-flat", "topo-hier", "topo-selective", "topo-hier-bf16", "topo-auto"):
+        return _Reducer(spec, TOPO_MODES[key])
     if key in ("ds-zero0", "ds-zero2"):
         return _DeepSpeed(spec, 0 if key == "ds-zero0" else 2)
     if key in ("ds-topo-hier", "ds-topo-selective"):

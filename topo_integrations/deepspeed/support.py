@@ -83,6 +83,11 @@ KEY_REFUSALS: tuple[KeyRefusal, ...] = (
         lambda ds, cfg: (f"remove local.dtype (or set it to '{ds_communication_dtype(ds)}'), or set DeepSpeed's "
                          f"communication_data_type to '{cfg.local.dtype}'")),
     KeyRefusal(
+        "method", lambda ds, cfg: cfg.method == "auto",
+        lambda ds, cfg: "the method is switched at run time in GroupedReducer only",
+        lambda ds, cfg: ("set the mode and its keys (`topo-align simulate` prints what method auto would choose "
+                         "for a cluster) and remove the key")),
+    KeyRefusal(
         "topology.middle_level", lambda ds, cfg: cfg.topology.middle_level and zero_stage(ds) == 3,
         lambda ds, cfg: "the adapter's ZeRO-3 reduce-scatter has two levels (island, rail)",
         lambda ds, cfg: "remove topology.middle_level, or use ZeRO stage 0-2 for three levels"),
@@ -98,8 +103,9 @@ def check_keys(ds: dict, cfg) -> None:
     explicit = cfg.explicit_keys()
     for r in KEY_REFUSALS:
         if r.key in explicit and r.applies(ds, cfg):
-            section, field = r.key.split(".")
-            value = getattr(getattr(cfg, section), field)
+            value = cfg
+            for part in r.key.split("."):
+                value = getattr(value, part)
             raise UnsupportedConfigError(
                 f"topo_align.{r.key} = {value!r} is not supported by the DeepSpeed adapter "
                 f"(mode {cfg.mode!r}, ZeRO stage {zero_stage(ds)}): {r.why(ds, cfg)}; {r.instead(ds, cfg)}")

@@ -190,6 +190,17 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _method_choice(topo, wl: Workload, opt: SimOptions, notes: list[str]) -> dict | None:
+    """What `method: auto` chooses for this cluster (sim/choose.py), or a note why it cannot."""
+    from .choose import choose_for_cli
+
+    try:
+        return choose_for_cli(topo, wl, opt).to_json()
+    except (SimError, TopologyError) as exc:
+        notes.append(f"method auto: not applicable: {exc}")
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench:
         return _run_bench(args)
@@ -201,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         wl = with_compute_defaults(wl, args.gpu or topo.gpu,
                                    gpu_from="--gpu" if args.gpu else f"{args.topology} (\"gpu\")")
         res = simulate(topo, wl, opt)
+        res.method = _method_choice(topo, wl, opt, res.notes)
         if args.plot:
             from .report import plot_png
 

@@ -49,6 +49,8 @@ def render_table(res: SimResult, console=None) -> None:
             str(r.n_buckets), f"{r.exposed_s:.3f}", f"{r.step_s:.3f}", _x(r.speedup_vs_ring), _x(r.speedup_vs_hier2),
         )
     console.print(tab)
+    if res.method:
+        console.print(res.method["line"].removeprefix("topo_align: "), highlight=False, soft_wrap=True)
     for n in res.notes:
         console.print(f"note: {n}", highlight=False)
 

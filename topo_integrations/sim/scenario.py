@@ -151,6 +151,8 @@ class SimResult:
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    method: dict | None = None
+    """What `method: auto` would choose here (sim/choose.py ``MethodChoice.to_json``), when asked for."""
 
     def row(self, key: str) -> Row:
         for r in self.rows:
@@ -164,6 +166,7 @@ class SimResult:
             "topology": self.topology, "workload": self.workload, "options": self.options,
             "compute_s": self.compute_s, "backward_s": self.backward_s,
             "rows": [r.to_json() for r in self.rows], "notes": self.notes, "elapsed_s": self.elapsed_s,
+            "method_choice": self.method,
         }
 
 

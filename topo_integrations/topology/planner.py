@@ -54,6 +54,9 @@ class Plan:
     intra_origin: str = "default"
     """Where the intra tier's bandwidth came from (`Tier.origin`: measured, nic-rate, nvlink, file, default)."""
     inter_origin: str = "default"
+    intra_latency_us: float | None = None
+    """Latency of the intra tier as the topology states it (the probe measures bandwidth only)."""
+    inter_latency_us: float | None = None
     leaf_groups: Groups = ()
     leaf_rails: Groups = ()
     """3-level: inside each leaf, the i-th rank of every island (empty when not applicable)."""
@@ -267,6 +270,8 @@ def plan_groups(
         tier_ratio=ratio,
         intra_origin=intra_o,
         inter_origin=inter_o,
+        intra_latency_us=topo.tiers[intra_tier].latency_us,
+        inter_latency_us=topo.tiers[inter_tier].latency_us,
         leaf_groups=leaf_groups,
         leaf_rails=leaf_rails,
         spine_rails=spine_rails,

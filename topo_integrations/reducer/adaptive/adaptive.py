@@ -52,7 +52,7 @@ from ...config import AdaptiveConfig
 from ..classes.classes import SYNC
 from ..kinds import Level, Mode
 from ..wire.collectives import run
-from .regroup import choose_plan, regroup
+from .regroup import choose_plan, regroup, renew_controller
 
 __all__ = ["AdaptiveController", "AdaptivePolicy", "Measurement", "LEVELS"]
 
@@ -271,6 +271,16 @@ class AdaptiveController:
             probe_gbps=(self.probe_numel * 4 * n / tot[3] / 1e9) if tot[3] > 0 else None,
             step_s=tot[2] / n, steps=steps)
         old = self.policy.level
+        # `method: auto`: a slow tier that moved by RECHOOSE_FACTOR is a new network: choose the method
+        # again (m and the reference agree on every rank); the renewed controller re-calibrates.
+        moved = e.method.rechoose_due(m.inter_gbps, self.policy.reference) if e.method is not None else None
+        if moved is not None and not self.policy.calibrating:
+            self.checks.append({"step": e.step, "level": self.level, "measurement": m.__dict__})
+            e.method.rechoose(moved, m.inter_gbps, self.policy.reference)
+            if e.adaptive is self:
+                renew_controller(e, self, {"step": e.step, "from": "method", "to": e.method.method,
+                                           "reason": "method auto kept after the slow tier moved", "measurement": {}})
+            return
         # Phase 3: the policy; phase 4: position 0's choice is broadcast.
         new, reason = self.policy.decide(m)
         choice = e.wire.tensor([new], dtype=torch.int64)

@@ -12,7 +12,7 @@ from ..classes.classes import SYNC
 from ..kinds import Mode
 from ..wire.compression import wire_dtype
 
-__all__ = ["estimate_step_comm_s", "choose_plan", "regroup"]
+__all__ = ["estimate_step_comm_s", "choose_plan", "regroup", "renew_controller"]
 
 log = logging.getLogger("topo_align")
 
@@ -79,15 +79,22 @@ def regroup(engine, plan, optimizer=None, *, reason: str = "") -> None:
     engine.reconfigure(groups=new, mode=mode, classes=classes, reconcile_interval=cfg.local.reconcile_interval,
                        sync_dtype=wire_dtype(wire))
     if ctrl is not None:
-        # The controller's own class (adaptive.py, which imports this module): no import back.
-        fresh = type(ctrl)(engine, ctrl.cfg, levels=ctrl.allowed)
-        fresh.regroup_margin = ctrl.regroup_margin
-        fresh.regroup_source = ctrl.regroup_source
-        fresh.regroup_decisions = list(ctrl.regroup_decisions)
-        fresh.checks = list(ctrl.checks)  # the record continues across the rebuild
-        fresh.events = ctrl.events + [{"step": engine.step, "from": "groups", "to": "regrouped",
-                                       "reason": reason, "measurement": {}}]
-        engine.adaptive = fresh
+        renew_controller(engine, ctrl, {"step": engine.step, "from": "groups", "to": "regrouped",
+                                        "reason": reason, "measurement": {}})
     if new.position == 0:
         log.warning("topo_align: adaptive: step %d: regrouped from intra groups %s to %s%s", engine.step,
                     old_desc, [list(x) for x in plan.intra_groups], f": {reason}" if reason else "")
+
+
+def renew_controller(engine, ctrl, event: dict) -> None:
+    """A fresh adaptive controller for ``engine`` after its groups or its method changed (the levels
+    that apply, the base interval and wire follow the new setting; it re-calibrates), keeping the
+    record (checks, events plus ``event``, regroup decisions) and the regrouping seams."""
+    # The controller's own class (adaptive.py, which imports this module): no import back.
+    fresh = type(ctrl)(engine, ctrl.cfg, levels=ctrl.allowed)
+    fresh.regroup_margin = ctrl.regroup_margin
+    fresh.regroup_source = ctrl.regroup_source
+    fresh.regroup_decisions = list(ctrl.regroup_decisions)
+    fresh.checks = list(ctrl.checks)  # the record continues across the rebuild
+    fresh.events = ctrl.events + [event]
+    engine.adaptive = fresh

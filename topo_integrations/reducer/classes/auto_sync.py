@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ...config import LOCAL_CLASS_KEYS, MANY_GROUPS, ConfigError, Mode, TopoAlignConfig, resolve_bucket_mb, resolve_sync
 
-__all__ = ["resolved_config"]
+__all__ = ["resolved_config", "with_keys"]
 
 
 def _with(cfg, section: str, got: dict):
@@ -24,6 +24,18 @@ def _with(cfg, section: str, got: dict):
     out = cfg.model_copy(update={section: new})
     out.__pydantic_fields_set__ = set(cfg.model_fields_set)
     return out
+
+
+def with_keys(cfg: TopoAlignConfig, dotted: dict) -> TopoAlignConfig:
+    """``cfg`` with the dotted keys' values (``{"sync.dtype": "int8"}``), the user's set-keys record
+    kept (`method: auto` sets them: reducer/adaptive/method.py)."""
+    by: dict[str, dict] = {}
+    for key, value in dotted.items():
+        section, name = key.split(".")
+        by.setdefault(section, {})[name] = value
+    for section, got in by.items():
+        cfg = _with(cfg, section, got)
+    return cfg
 
 
 def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfig, str | None]:
@@ -47,23 +59,27 @@ def resolved_config(cfg: TopoAlignConfig, n_groups: int) -> tuple[TopoAlignConfi
     s = cfg.sync
     auto = [k for k in ("dtype", "top_fraction") if getattr(s, k) == "auto"]
     selective = cfg.mode == Mode.SELECTIVE
-    # keys that act only through a LOCAL class, set by the user: `auto` keeps one for them (issue 38)
+    # keys that act only through a LOCAL class, set by the user: `auto` keeps one for them (issue 38).
+    # `method: auto` times the first steps with every tensor SYNC, then a LOCAL-class key set means a
+    # LOCAL class (reducer/adaptive/method.py): nothing to refuse, nothing to resolve here.
+    method_auto = cfg.method == "auto"
     local_keys = sorted(k for k in cfg.explicit_keys() if k.startswith(LOCAL_CLASS_KEYS))
     got = dict(zip(("dtype", "top_fraction"),
-                   resolve_sync(s.dtype, s.top_fraction, n_groups, local_keys=bool(local_keys))))
-    if selective and n_groups >= 2 and got["top_fraction"] >= 1.0 and local_keys:
+                   resolve_sync(s.dtype, s.top_fraction, n_groups, local_keys=bool(local_keys) and not method_auto)))
+    if selective and n_groups >= 2 and got["top_fraction"] >= 1.0 and local_keys and not method_auto:
         _refuse_local_keys(local_keys)
     if auto:
         cfg = _with(cfg, "sync", got)
         if selective:
             said = ", ".join(f"sync.{k} auto -> {got[k]}" for k in auto)
-            if local_keys and n_groups >= MANY_GROUPS and "top_fraction" in auto:
+            if local_keys and not method_auto and n_groups >= MANY_GROUPS and "top_fraction" in auto:
                 notes.insert(0, f"{said} at {n_groups} groups: {', '.join(local_keys)} set, so a LOCAL class "
                                 "is kept for it to act on (without LOCAL-class keys, from "
                                 f"{MANY_GROUPS} groups on every tensor is SYNC on the int8 wire)")
             else:
                 notes.insert(0, f"{said} at {n_groups} groups (from {MANY_GROUPS} on, every tensor is SYNC on the "
-                                "int8 wire: docs/convergence.md, \"Many islands\")")
+                                "int8 wire: docs/convergence.md, \"Many islands\")"
+                                + ("; method auto chooses after timing the first steps" if method_auto else ""))
     return cfg, ("topo_align: " + "; ".join(notes)) if notes else None
 
 

@@ -58,6 +58,15 @@ class ClassPolicy:
                        scores=scores, layers=self.layers, num_layers=self.num_layers, exact_names=self.forced_sync)
         return self.drift.apply(out)
 
+    def fixed_sync_fraction(self) -> float:
+        """Share of elements SYNC whatever the importance: the last N layers, `always_sync`, forced names."""
+        c = self.cfg.sync
+        out = classify(self.names, [self.numels[n] for n in self.names], last_n_layers=c.last_n_layers,
+                       always_sync=list(c.always_sync), top_fraction=0.0, scores=None, layers=self.layers,
+                       num_layers=self.num_layers, exact_names=self.forced_sync)
+        total = sum(self.numels.values()) or 1
+        return sum(self.numels[n] for n, k in out.items() if k == SYNC) / total
+
     def _initial(self, selective: bool) -> dict[str, str]:
         if not selective:
             return {n: SYNC for n in self.names}

@@ -105,6 +105,12 @@ class Engine:
         self.step = 0
         self._listeners: list[Callable[[Engine], None]] = []
         self.adaptive = None
+        self.method = None
+        """`method: auto` (reducer/adaptive/method.py): times the first steps, then chooses the method."""
+        if cfg.method == "auto" and mode is Mode.SELECTIVE:
+            from ..adaptive.method import MethodAuto
+
+            self.method = MethodAuto(self)
         from ..wire.health import start_check
 
         # Every adapter builds an engine: the start-of-run check runs once per engine, in the schedule.
@@ -329,6 +335,8 @@ class Engine:
                     self.refresh_classes()
         self.stats_.end_step()
         self.drift.poll()  # a drift measurement whose agreed sums have landed (never waits)
+        if self.method is not None:
+            self.method.after_step()
         if self.adaptive is not None:
             self.adaptive.after_step(optimizer)
         self.dispatcher.end_step(self.step)
@@ -406,7 +414,8 @@ class Engine:
                 "pending": rec["pending"], "anchors": rec["anchors"], "moments_anchors": rec["moments_anchors"],
                 "fragment_reconciles": rec["fragment_reconciles"], "max_staleness": rec["max_staleness"],
                 "stats": self.stats_.state_dict(),
-                "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict()}
+                "drift": self.drift.state_dict(), "adaptive": None if ctrl is None else ctrl.state_dict(),
+                "method": None if self.method is None else self.method.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore :meth:`state_dict` (same mode and parameters; else a clear error). Listeners run
@@ -414,6 +423,8 @@ class Engine:
         if not isinstance(sd, dict) or sd.get("format") != ENGINE_STATE_FORMAT:
             got = sd.get("format") if isinstance(sd, dict) else None
             raise ValueError(f"not a topo_align engine state (format {got!r}; expected {ENGINE_STATE_FORMAT!r})")
+        if self.method is not None:  # the saved method first: the classes below belong to it
+            self.method.load_state_dict(sd.get("method"))
         ctrl = self.adaptive
         mine = ctrl.base_mode if ctrl is not None else self.mode
         if sd["mode"] != mine:
@@ -456,6 +467,7 @@ class Engine:
             "drift": self.drift.as_dict(),
             "schedule": self.schedule_summary(),
             "adaptive_level": None if self.adaptive is None else self.adaptive.level,
+            "method": None if self.method is None else self.method.method,
         })
         return out
 

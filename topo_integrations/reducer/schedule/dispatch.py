@@ -109,6 +109,9 @@ class Dispatcher:
         self._step_rc = False
         self._local_open = False
         """After sync_done and until all_submitted: LOCAL buckets go when submitted."""
+        self.waited_s = 0.0
+        """Seconds callers blocked in :meth:`wait` and :meth:`call` (`method: auto` takes them out of
+        the step to time the compute: reducer/adaptive/method.py)."""
 
     # ------------------------------------------------------------------ policy inputs
 
@@ -179,8 +182,12 @@ class Dispatcher:
                 self._release(self._take_held(reconcile=False))
             if any(i is item for i in self._held_reconcile):
                 self._release(self._take_held(reconcile=True))
-            self.sched.wait(item, host=False)
-            return item.value if not self.cuda and item.value is not None else fut.wait()
+            t0 = time.perf_counter()
+            try:
+                self.sched.wait(item, host=False)
+                return item.value if not self.cuda and item.value is not None else fut.wait()
+            finally:
+                self.waited_s += time.perf_counter() - t0
         return fut.wait()
 
     def call(self, fn: Callable[[], Any], what: str, traffic: Traffic = Traffic.CONTROL):
@@ -203,11 +210,15 @@ class Dispatcher:
         """The value of an issued item once its data has arrived (bounded host wait). Not ``host``
         (a device value the caller goes on computing with): on CUDA the caller's stream waits for it,
         the host does not (as for a bucket, :meth:`wait`); on the CPU the same as ``host``."""
-        if host or not self.cuda:
-            self.sched.wait(item, host=True)
-        else:
-            self.sched.wait(item, host=False)
-            item.future.wait()  # CUDA-aware: the current stream waits for the comm stream's work
+        t0 = time.perf_counter()
+        try:
+            if host or not self.cuda:
+                self.sched.wait(item, host=True)
+            else:
+                self.sched.wait(item, host=False)
+                item.future.wait()  # CUDA-aware: the current stream waits for the comm stream's work
+        finally:
+            self.waited_s += time.perf_counter() - t0  # method: auto times compute without these waits
         return item.result
 
     def submit_reconcile(self, chunks: list[Callable[[], None]], what: str) -> torch.futures.Future:

@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""What `method: auto` chooses, by slow-tier link speed, for one workload (issue 38; docs/costmodel.md,
+section 6). Everything here is simulated (the cost model of topo_integrations.sim), not measured.
+
+    .venv/bin/python scripts/method_choice.py              # the table, markdown
+    .venv/bin/python scripts/method_choice.py --groups 8 --compute-s 2
+
+The workload of tests/test_method_auto.py by default: islands of 8 GPUs (NVLink 230 GB/s, 2 us), a
+7B model's bf16 gradient, 10 s of compute per step, the last N layers 10 % of the gradient, no
+drift-promotion budget; the slow tier at each link speed per GPU with 7 us of latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from topo_integrations.sim import SimOptions  # noqa: E402
+from topo_integrations.sim.choose import MethodInputs, choose_for_groups  # noqa: E402
+
+GBITS = (400.0, 100.0, 25.0, 10.0, 5.0, 2.0, 1.0, 0.5, 0.2, 0.1, 0.01)
+
+
+def table(groups: int, group_size: int, params: float, compute_s: float) -> str:
+    rows = ["| slow tier, Gbit/s per GPU | choice | keys it sets | predicted step, s: hierarchical / int8 / local (H) "
+            "| runner-up |", "|---:|---|---|---|---|"]
+    for g in GBITS:
+        c = choose_for_groups(MethodInputs(
+            groups, group_size, g / 8, 7.0, "given", params, "bf16", compute_s, "given",
+            options=SimOptions(last_n_share=0.1, promote_fraction=0.0)))
+        keys = ", ".join(f"`{k}` {v:g}" if isinstance(v, float) else f"`{k}` {v}"
+                         for k, v in c.config.items() if k != "mode")
+        s = c.step_s
+        cap = ", capped" if c.h_capped else ""
+        rows.append(f"| {g:g} | **{c.method}** | {keys} | {s['hierarchical']:.2f} / {s['int8']:.2f} / "
+                    f"{s['local']:.2f} (H {c.reconcile_interval}{cap}) | {c.runner_up} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, default=4, help="islands (default 4)")
+    p.add_argument("--group-size", type=int, default=8, help="GPUs per island (default 8)")
+    p.add_argument("--params", type=float, default=7e9, help="gradient elements per GPU (default 7e9)")
+    p.add_argument("--compute-s", type=float, default=10.0, help="forward+backward seconds per step (default 10)")
+    a = p.parse_args(argv)
+    print(f"Simulated: {a.groups} islands of {a.group_size} GPUs, {a.params:.3g} bf16 gradient elements per GPU, "
+          f"{a.compute_s:g} s of compute per step.\n")
+    print(table(a.groups, a.group_size, a.params, a.compute_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""`method: auto` (issue 38; docs/costmodel.md, section 6): the chooser's decisions at three link
+speeds for one workload, its log line word for word, the config's refusals, `topo-align simulate`'s
+choice, and on 4 gloo ranks (2 nodes x 2, the suite's shared world, tests/_world4.py) every rank
+taking DP position 0's choice at the same step boundary, the switch to a LOCAL class and back
+losing nothing (SYNC parameters bitwise equal on every rank at every step, every parameter equal
+after leaving the LOCAL class), a re-choice, and a resume that keeps the method.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import _world4
+import pytest
+import torch
+
+from topo_integrations.config import ConfigError, TopoAlignConfig
+from topo_integrations.sim import SimOptions
+from topo_integrations.sim.choose import H_CAP, MethodChoice, MethodInputs, choose_for_groups
+
+pytestmark = pytest.mark.timeout(60)
+
+GBIT = 1e9 / 8 / 1e9  # GB/s per Gbit/s
+
+
+def _inputs(gbit: float, **kw) -> MethodInputs:
+    """The fixed workload: 4 islands of 8 GPUs (NVLink 230 GB/s), a 7B model's bf16 gradient, 10 s of
+    compute per step, the last-N share 10 %, no drift-promotion budget."""
+    base = dict(n_groups=4, group_size=8, slow_gbps=gbit * GBIT, slow_latency_us=7.0, slow_origin="leaf, file",
+                grad_elements=7e9, grad_dtype="bf16", compute_s=10.0, compute_from="given",
+                options=SimOptions(last_n_share=0.1, promote_fraction=0.0))
+    base.update(kw)
+    return MethodInputs(**base)
+
+
+def test_fast_link_takes_hierarchical_middle_int8_slow_a_local_class():
+    fast, middle, slow = (choose_for_groups(_inputs(g)) for g in (100.0, 2.0, 0.2))
+    assert fast.method == "hierarchical" and fast.config == {"mode": "selective", "sync.dtype": "fp32",
+                                                             "sync.top_fraction": 1.0}
+    assert fast.step_s["hierarchical"] <= 10.0 * 1.02
+    assert middle.method == "int8" and middle.config["sync.dtype"] == "int8"
+    assert middle.step_s["hierarchical"] > 10.0 * 1.02 and middle.step_s["int8"] < middle.step_s["hierarchical"]
+    assert slow.method == "local" and slow.config["sync.top_fraction"] == 0.15
+    assert 1 <= slow.reconcile_interval <= H_CAP and slow.config["local.reconcile_interval"] == slow.reconcile_interval
+    assert slow.step_s["local"] * 1.25 < slow.step_s["int8"]
+    for c in (fast, middle, slow):
+        assert set(c.step_s) == {"hierarchical", "int8", "local"}
+        assert c.runner_up != c.method and c.step_s[c.runner_up] == min(v for k, v in c.step_s.items()
+                                                                          if k != c.method)
+
+
+def test_the_log_line_names_the_choice_the_figures_and_the_runner_up():
+    c = choose_for_groups(_inputs(2.0))
+    s = c.step_s
+    assert c.line() == (
+        f"topo_align: method auto: int8 (sync.dtype int8, sync.top_fraction 1): predicted step {s['int8']:.4g} s "
+        f"against 10 s of compute; runner-up {c.runner_up} ({s[c.runner_up]:.4g} s); predicted steps: "
+        f"hierarchical {s['hierarchical']:.4g} s; int8 {s['int8']:.4g} s; local {s['local']:.4g} s "
+        f"(H {c.reconcile_interval}); figures: 4 groups of 8 ranks; slow tier 0.25 GB/s per GPU (leaf, file), "
+        "7 us; gradient 14 GB per GPU (7e+09 x bf16); compute 10 s per step (given)")
+    assert json.loads(json.dumps(c.to_json()))["line"] == c.line()
+
+
+def test_local_class_keys_mean_a_local_class_and_h_is_capped():
+    c = choose_for_groups(_inputs(100.0, local_only=True))
+    assert c.method == "local" and set(c.step_s) == {"local"} and c.runner_up is None
+    capped = choose_for_groups(_inputs(0.01))
+    if capped.method == "local" and capped.h_capped:
+        assert capped.reconcile_interval == H_CAP and f"(H capped at {H_CAP})" in capped.line()
+
+
+@pytest.mark.parametrize("block, words", [
+    ({"method": "auto", "mode": "hierarchical"},
+     "topo_align: method = 'auto' chooses among settings of mode 'selective' (its exact candidate is every tensor "
+     "SYNC on an fp32 wire, which equals 'hierarchical'); mode = 'hierarchical' is set too: remove it, or set "
+     "method 'fixed' to keep it"),
+    ({"method": "auto", "sync": {"dtype": "bf16"}, "local": {"reconcile_interval": 8}},
+     "topo_align: method = 'auto' chooses sync.dtype, sync.top_fraction and local.reconcile_interval itself "
+     "(docs/costmodel.md, section 6); sync.dtype = 'bf16', local.reconcile_interval = 8 set too: remove them, or "
+     "set method 'fixed' to keep them"),
+    ({"method": "sometimes"}, "topo_align.method: got 'sometimes'; Input should be 'fixed' or 'auto'"),
+])
+def test_config_refuses_what_auto_would_override(block, words):
+    with pytest.raises(ConfigError) as exc:
+        TopoAlignConfig.from_block(block)
+    assert str(exc.value) == words
+
+
+def test_config_accepts_auto_with_its_own_values_and_the_other_adapters_refuse_it():
+    cfg = TopoAlignConfig.from_block({"method": "auto", "sync": {"dtype": "auto"}, "local": {"dtype": "fp16"}})
+    assert cfg.method == "auto" and cfg.local.dtype == "fp16"
+    from topo_integrations.deepspeed.support import check_supported
+    from topo_integrations.megatron.refusals import MegatronSide, check_config
+    from topo_integrations.torch.reducer import check_config as torch_check
+
+    with pytest.raises(ValueError, match=r"^topo_align\.method = 'auto' is not supported by the DeepSpeed adapter "
+                                         r"\(mode 'selective', ZeRO stage 0\): the method is switched at run time "
+                                         r"in GroupedReducer only; set the mode and its keys"):
+        check_supported({"zero_optimization": {"stage": 0}, "train_batch_size": 8}, cfg)
+    with pytest.raises(ValueError, match=r"^topo_align: method = 'auto' is not supported by the Megatron adapter "
+                                         r"\(TopoAlignDDP\): the method is switched at run time"):
+        check_config(cfg, MegatronSide(use_distributed_optimizer=False, overlap_grad_reduce=True))
+    with pytest.raises(ValueError, match=r"^topo_align: method = 'auto' is not supported by TopoAlignHookState: "
+                                         r"only GroupedReducer switches the method at run time"):
+        torch_check(cfg, None, "TopoAlignHookState")
+    torch_check(cfg, None, "GroupedReducer")
+
+
+def test_simulate_prints_the_choice(capsys):
+    from topo_integrations.sim.cli import main
+
+    topo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "topologies",
+                        "dgx-a100-superpod-960.json")
+    assert main(["--topology", topo, "--params", "175e9", "--tp", "8", "--pp", "8", "--num-layers", "96",
+                 "--algorithms", "hier2-b2b,selective", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    mc = out["method_choice"]
+    assert mc["method"] in ("hierarchical", "int8", "local") and mc["runner_up"] in mc["step_s"]
+    assert mc["line"].startswith(f"topo_align: method auto: {mc['method']} (")
+    assert "figures: 15 groups of 1 rank; slow tier 24 GB/s per GPU (leaf, file), 7 us" in mc["line"]
+    assert main(["--topology", topo, "--params", "175e9", "--tp", "8", "--pp", "8", "--num-layers", "96",
+                 "--algorithms", "hier2-b2b"]) == 0
+    assert f"method auto: {mc['method']} (" in capsys.readouterr().out
+
+
+# -- on 4 gloo ranks ------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int) -> dict:
+    import torch.nn as nn
+
+    import topo_integrations.reducer.adaptive.method as mm
+    from topo_integrations import GroupedReducer
+    from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
+    from topo_integrations.sim.choose import method_config
+
+    os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("topo_align: method auto"):
+                lines.append(record.getMessage())
+
+    lg = logging.getLogger("topo_align")
+    lg.addHandler(Keep())
+    lg.setLevel(logging.INFO)
+
+    def Net():  # 9 layers (the outer Sequential's children): the last 5 SYNC, the rest a LOCAL class
+        return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)), nn.Linear(16, 4))
+
+    def run(red, model, opt, steps: int, first: int, record: list) -> None:
+        for step in range(first, first + steps):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+            model(x).pow(2).mean().backward()
+            red.finish_grad_sync()
+            opt.step()
+            opt.zero_grad()
+            red.after_optimizer_step(opt)
+            e = red.engine
+            record.append({"method": e.method.method, "H": e.reconciler.interval, "dtype": str(e.sync_dtype),
+                           "sync_params": {n: p.detach().clone() for n, p in red._params.items() if e.is_sync(n)},
+                           "synced": e.reconciler.all_synced})
+
+    out: dict = {}
+    # 1. The real chooser (DP position 0 decides on its timed steps); every rank takes its choice.
+    torch.manual_seed(0)
+    model = Net()
+    red = GroupedReducer(model, TopoAlignConfig.from_block({"method": "auto"}))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rec: list = []
+    run(red, model, opt, 7, 0, rec)
+    out["real"] = [(r["method"], r["dtype"]) for r in rec]
+    out["real_events"] = [(e["step"], e["method"], e["reconcile_interval"]) for e in red.engine.method.events]
+    out["real_line"] = red.engine.method.events[0]["line"]
+    red.close()
+
+    # 2. A LOCAL class (H 2) from DP position 0's (forced) choice, then back to the exact method by a
+    #    re-choice: the other ranks never run the chooser, they take the broadcast.
+    picks = iter([("local", 2), ("hierarchical", None)])
+
+    def fake(inp):
+        m, h = next(picks)
+        return MethodChoice(m, method_config(m, h), {"hierarchical": 2.0, "int8": 1.5, "local": 1.0}, 1.0,
+                            "int8", h or 2, "fixed by the test")
+
+    real_choose, mm.choose_for_groups = mm.choose_for_groups, fake  # only DP position 0 calls it
+    try:
+        _forced(out, run, Net, rank)
+    finally:
+        mm.choose_for_groups = real_choose
+    out["lines"] = lines
+    return out
+
+
+def _forced(out: dict, run, Net, rank: int) -> None:
+    from topo_integrations import GroupedReducer
+
+    torch.manual_seed(0)
+    model = Net()
+    red = GroupedReducer(model, TopoAlignConfig.from_block({"method": "auto", "adaptive": {"enabled": True,
+                                                                                           "check_interval": 100}}))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rec: list = []
+    run(red, model, opt, 8, 0, rec)
+    out["classes_local"] = sorted(red.engine.classes.items())
+    out["sync_fraction"] = red.engine.sync_fraction()
+    sd = red.engine.state_dict()
+    opt_sd = opt.state_dict()
+    red.engine.method.rechoose(0.25, 1.0, 4.0)
+    out["after_rechoose"] = (red.engine.method.method, str(red.engine.sync_dtype), red.engine.sync_fraction(),
+                             red.engine.reconciler.all_synced)
+    out["after_rechoose_params"] = {n: p.detach().clone() for n, p in red._params.items()}
+    run(red, model, opt, 2, 8, rec)
+    out["forced"] = [(r["method"], r["H"], r["dtype"], r["synced"]) for r in rec]
+    out["forced_sync_params"] = [r["sync_params"] for r in rec]
+    out["forced_events"] = [(e["step"], e["method"], e["reconcile_interval"], e["changed"])
+                            for e in red.engine.method.events]
+    out["adaptive_events"] = [ev["to"] for ev in red.engine.adaptive.events]
+    red.close()
+
+    # 3. A resume from the LOCAL-class state keeps the method without timing again.
+    torch.manual_seed(0)
+    model = Net()
+    red = GroupedReducer(model, TopoAlignConfig.from_block({"method": "auto", "adaptive": {"enabled": True,
+                                                                                           "check_interval": 100}}))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt.load_state_dict(opt_sd)
+    red.engine.load_state_dict(sd)
+    out["resumed"] = (red.engine.method.method, red.engine.reconciler.interval, str(red.engine.sync_dtype),
+                      sorted(red.engine.classes.items()) == out["classes_local"])
+    red.close()
+
+
+@pytest.fixture(scope="module")
+def world(request):
+    return _world4.results(request, "test_method_auto")  # _rank_main, in the suite's shared 4-rank world
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
+def test_every_rank_takes_position_0s_choice_at_the_same_step(world):
+    real = world[0]["real"]
+    assert all(r["real"] == real for r in world)
+    assert [m for m, _ in real[:4]] == [None] * 4 and real[4][0] in ("hierarchical", "int8", "local")
+    assert all(r["real_events"] == world[0]["real_events"] for r in world) and world[0]["real_events"][0][0] == 5
+    line = world[0]["real_line"]
+    assert line.startswith(f"topo_align: method auto: {real[4][0]} (") and "compute" in line
+    assert "figures: 2 groups of 2 ranks; slow tier " in line
+    assert "(timed over steps 2-5)" in line
+    assert all(r["real_line"] is None for r in world[1:])  # only position 0 chose, and logged
+    assert world[0]["lines"][0] == line and not any(r["lines"] for r in world[1:])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
+def test_the_switch_to_a_local_class_and_back_loses_nothing(world):
+    forced = world[0]["forced"]
+    assert all(r["forced"] == forced for r in world)
+    assert [f[:3] for f in forced[:5]] == [(None, 2, "torch.int8")] * 4 + [("local", 2, "torch.bfloat16")]
+    assert forced[8][:3] == ("hierarchical", 2, "torch.float32")
+    assert all(r["classes_local"] == world[0]["classes_local"] for r in world)
+    assert 0 < world[0]["sync_fraction"] < 1
+    # SYNC parameters bitwise equal on every rank at every step (invariant 1)
+    for step, ref in enumerate(world[0]["forced_sync_params"]):
+        for r in world[1:]:
+            got = r["forced_sync_params"][step]
+            assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref), step
+    # leaving the LOCAL class reconciled first: every parameter equal everywhere, every tensor SYNC
+    assert world[0]["after_rechoose"] == ("hierarchical", "torch.float32", 1.0, True)
+    ref = world[0]["after_rechoose_params"]
+    for r in world[1:]:
+        assert all(torch.equal(r["after_rechoose_params"][n], ref[n]) for n in ref)
+    assert world[0]["forced_events"] == [(5, "local", 2, True), (8, "hierarchical", None, True)]
+    assert world[0]["adaptive_events"] == ["local", "hierarchical"]  # the controller renewed at each switch
+    rechosen = [x for x in world[0]["lines"] if "re-chosen at step 8" in x]
+    assert len(rechosen) == 1 and rechosen[0].endswith(
+        "(re-chosen at step 8: the adaptive monitor measured the slow tier at 1 GB/s against its reference "
+        "4 GB/s, x0.25)")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
+def test_a_resume_keeps_the_method(world):
+    for r in world:
+        assert r["resumed"] == ("local", 2, "torch.bfloat16", True)

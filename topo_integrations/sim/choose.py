@@ -1,0 +1,251 @@
+"""`method: auto`: which method a cluster should run, predicted with the cost model (docs/costmodel.md,
+section 6).
+
+Three candidates, each a setting of mode `selective` (so the engine switches between them without
+changing mode):
+
+* ``hierarchical``: every tensor SYNC on an fp32 wire across groups (``sync.top_fraction`` 1,
+  ``sync.dtype`` fp32), which equals mode `hierarchical` (invariant 3): the exact mean;
+* ``int8``: every tensor SYNC on the int8 wire (``sync.dtype`` int8), a quarter of fp32's slow-tier
+  bytes and flat's quality at 2, 4 and 8 islands (docs/convergence.md, "Many islands");
+* ``local``: a LOCAL class reconciled DiLoCo-style: the last N layers, `always_sync` and the top
+  :data:`LOCAL_TOP_FRACTION` by importance SYNC on the :data:`LOCAL_SYNC_DTYPE` wire, the rest
+  reduced in the island and averaged across islands every H steps (``local.reconcile_interval``).
+
+Each is priced by :func:`~topo_integrations.sim.scenario.simulate` (algorithm ``selective``: its
+SYNC stream is the back-to-back 2-level all-reduce, its reconciliation the rail all-reduce and
+group all-gather, buckets overlapped with backward), so the choice and ``topo-align simulate``
+cannot disagree. The rule (constants below, each stated in docs/costmodel.md):
+
+1. ``hierarchical`` when its predicted step is within :data:`HIDDEN` of compute (its slow-tier time
+   hides behind backward) or within :data:`TIE` of the int8 wire's (bytes do not matter there);
+2. else ``int8`` when its step is within :data:`HIDDEN` of compute, or when the LOCAL class does
+   not predict a step at least :data:`LOCAL_MARGIN` times shorter (a LOCAL class costs quality that
+   grows with the replicas, so it must buy a clear speed-up);
+3. else ``local``, with H the smallest power of two up to :data:`H_CAP` whose step is within
+   :data:`HIDDEN` of the step without reconciliation (the reconciliation bytes hide behind H steps of
+   compute); :data:`H_CAP` when none is.
+
+The runner-up is the fastest of the other two by predicted step. Pure (no communication): the
+engine's rank 0 calls :func:`choose_for_groups` and broadcasts the result (reducer/adaptive/method.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ..topology.model import RankPlace, Tier, Topology
+from .algorithms import split_groups
+from .model import Fabric, SimError, apply_rank_order
+from .report import fmt_bytes
+from .scenario import SimOptions, simulate
+from .workload import Workload, dp_groups
+
+__all__ = ["CANDIDATES", "HIDDEN", "TIE", "LOCAL_MARGIN", "H_CAP", "LOCAL_TOP_FRACTION", "LOCAL_SYNC_DTYPE",
+           "MethodInputs", "MethodChoice", "choose", "choose_for_groups", "choose_for_cli", "method_config",
+           "figures_of"]
+
+CANDIDATES: tuple[str, ...] = ("hierarchical", "int8", "local")
+"""In order of preference on a tie: the exact mean first, the LOCAL class last."""
+HIDDEN = 0.02
+"""A predicted step within 2 % of its reference (compute, or the step without reconciliation) counts as hidden."""
+TIE = 0.01
+"""hierarchical within 1 % of the int8 wire's step: the exact method wins."""
+LOCAL_MARGIN = 1.25
+"""The LOCAL class is chosen over the int8 wire only with a step at least 1.25x shorter: its
+replicas cost quality (docs/convergence.md, "Many islands": +0.86 / +1.24 / +2.10 % validation loss
+at 2 / 4 / 8 islands on the 16-layer GPT) that the extra steps must make up."""
+H_CAP = 64
+"""The longest reconciliation interval the choice takes (DiLoCo's H ranges up to a few hundred; this
+repository measured up to 16: docs/convergence.md); a slower link gets H = 64, said in the log line."""
+H_STEPS: tuple[int, ...] = tuple(2 ** i for i in range(int(math.log2(H_CAP)) + 1))
+LOCAL_TOP_FRACTION = 0.15
+"""SYNC share by importance of the LOCAL candidate (the 2-group default before issue 31)."""
+LOCAL_SYNC_DTYPE = "bf16"
+"""SYNC wire of the LOCAL candidate: bf16 cost less quality than int8 with a LOCAL class at 4 and 8
+islands (docs/convergence.md, "Many islands": +1.24 / +2.10 % against +1.79 / +2.47 %)."""
+_NO_RECONCILE = 1 << 30
+
+
+def method_config(method: str, reconcile_interval: int | None = None) -> dict:
+    """The ``topo_align`` keys a candidate sets (dotted), all in mode `selective`."""
+    keys = {
+        "hierarchical": {"sync.dtype": "fp32", "sync.top_fraction": 1.0},
+        "int8": {"sync.dtype": "int8", "sync.top_fraction": 1.0},
+        "local": {"sync.dtype": LOCAL_SYNC_DTYPE, "sync.top_fraction": LOCAL_TOP_FRACTION,
+                  "local.reconcile_interval": int(reconcile_interval or H_CAP)},
+    }
+    if method not in keys:
+        raise ValueError(f"method {method!r}; expected one of {list(CANDIDATES)}")
+    return {"mode": "selective", **keys[method]}
+
+
+@dataclass(frozen=True)
+class MethodInputs:
+    """The figures a choice is made on (the log line repeats them)."""
+
+    n_groups: int
+    group_size: int
+    slow_gbps: float
+    """Bandwidth of the slow tier (the rail between groups), GB/s per GPU."""
+    slow_latency_us: float
+    slow_origin: str
+    """Where ``slow_gbps`` came from (`Tier.origin`: measured, nic-rate, file, default ...)."""
+    grad_elements: float
+    """Data-parallel gradient elements per GPU."""
+    grad_dtype: str
+    compute_s: float
+    """Forward + backward seconds per step."""
+    compute_from: str
+    """Where ``compute_s`` came from (e.g. ``timed over steps 2-5``)."""
+    fast_gbps: float = 230.0
+    fast_latency_us: float = 2.0
+    options: SimOptions = field(default_factory=SimOptions)
+    """The rest of the model's inputs (bucket size, overlap, last-N share, local.* wires)."""
+    local_only: bool = False
+    """LOCAL-class keys were set by the user: they mean a LOCAL class (docs/costmodel.md, section 6), so
+    only the H of the ``local`` candidate is chosen."""
+
+    @property
+    def grad_bytes(self) -> float:
+        return self.grad_elements * {"fp32": 4, "bf16": 2, "fp16": 2}[self.grad_dtype]
+
+    def scaled(self, factor: float, origin: str) -> MethodInputs:
+        """The same inputs with the slow tier ``factor`` times as fast (a re-choice)."""
+        return replace(self, slow_gbps=self.slow_gbps * factor, slow_origin=origin)
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """The choice, the keys it sets, every candidate's predicted step and the runner-up."""
+
+    method: str
+    config: dict
+    step_s: dict
+    """Predicted step seconds per candidate (``local`` at the chosen H)."""
+    compute_s: float
+    runner_up: str | None
+    reconcile_interval: int | None
+    """H of the ``local`` candidate (also when it is not chosen)."""
+    figures: str
+    """The inputs in words (groups, slow tier, gradient, compute)."""
+    h_capped: bool = False
+
+    def line(self) -> str:
+        """The one log line: the choice, the figures it used and the runner-up."""
+        keys = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in self.config.items() if k != "mode")
+        cand = "; ".join(f"{k} {self.step_s[k]:.4g} s" + (f" (H {self.reconcile_interval})" if k == "local" else "")
+                         for k in CANDIDATES if k in self.step_s)
+        cap = f" (H capped at {H_CAP})" if self.h_capped and self.method == "local" else ""
+        ru = (f"runner-up {self.runner_up} ({self.step_s[self.runner_up]:.4g} s)" if self.runner_up
+              else "no runner-up")
+        return (f"topo_align: method auto: {self.method} ({keys}){cap}: predicted step "
+                f"{self.step_s[self.method]:.4g} s against {self.compute_s:.4g} s of compute; {ru}; "
+                f"predicted steps: {cand}; figures: {self.figures}")
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "config": dict(self.config), "step_s": dict(self.step_s),
+                "compute_s": self.compute_s, "runner_up": self.runner_up,
+                "reconcile_interval": self.reconcile_interval, "h_capped": self.h_capped,
+                "figures": self.figures, "line": self.line()}
+
+
+def _step(topo: Topology, wl: Workload, opt: SimOptions, **kw) -> float:
+    res = simulate(topo, wl, replace(opt, algorithms=("selective",), **kw))
+    try:
+        return res.row("selective").step_s
+    except KeyError:
+        why = next((n for n in res.notes if n.startswith("selective: not applicable")), "selective not applicable")
+        raise SimError(why) from None
+
+
+def choose(topo: Topology, wl: Workload, opt: SimOptions, *, figures: str, local_only: bool = False) -> MethodChoice:
+    """Price the candidates on ``topo`` with ``wl`` and ``opt`` (its selective knobs other than the
+    ones a candidate sets: last-N share, promotion budget, local.* wires, buckets, overlap) and apply
+    the rule of the module docstring. Raises :class:`SimError` where `selective` does not apply."""
+    compute = wl.compute_seconds(topo.world_size)
+    base = replace(opt, stream_fragments=1)  # a candidate's H may be below the user's fragments
+    steps: dict[str, float] = {}
+    if not local_only:
+        steps["hierarchical"] = _step(topo, wl, base, top_fraction=1.0, sync_dtype="fp32")
+        steps["int8"] = _step(topo, wl, base, top_fraction=1.0, sync_dtype="int8")
+    local = dict(top_fraction=LOCAL_TOP_FRACTION, sync_dtype=LOCAL_SYNC_DTYPE)
+    unbounded = _step(topo, wl, base, reconcile_interval=_NO_RECONCILE, **local)
+    h, capped = H_CAP, True
+    for cand in H_STEPS:  # the last is H_CAP: `t` is its step when none hides the reconciliation
+        t = _step(topo, wl, base, reconcile_interval=cand, **local)
+        if t <= unbounded * (1 + HIDDEN):
+            h, capped = cand, False
+            break
+    steps["local"] = t
+    if local_only:
+        pick = "local"
+    else:
+        th, t8, tl = steps["hierarchical"], steps["int8"], steps["local"]
+        sync = "hierarchical" if th <= compute * (1 + HIDDEN) or th <= t8 * (1 + TIE) else "int8"
+        ts = steps[sync]
+        pick = sync if ts <= compute * (1 + HIDDEN) or ts * (1 / LOCAL_MARGIN) < tl else "local"
+    others = [k for k in CANDIDATES if k in steps and k != pick]
+    runner = min(others, key=lambda k: (steps[k], CANDIDATES.index(k))) if others else None
+    return MethodChoice(pick, method_config(pick, h), steps, compute, runner, h, figures, h_capped=capped)
+
+
+def _two_tier_topology(inp: MethodInputs) -> Topology:
+    """``n_groups`` hosts of ``group_size`` ranks, one island each, under one leaf: the island tier at
+    the fast figures, the leaf tier (and the unused spine) at the slow tier's."""
+    places = tuple(RankPlace(g * inp.group_size + i, f"g{g}", i, f"g{g}", "leaf0")
+                   for g in range(inp.n_groups) for i in range(inp.group_size))
+    fast = (inp.fast_gbps, inp.fast_latency_us)
+    slow = (inp.slow_gbps, inp.slow_latency_us)
+    tiers = {"island": Tier("island", *fast), "host": Tier("host", *fast), "leaf": Tier("leaf", *slow),
+             "spine": Tier("spine", *slow)}
+    return Topology(places, tiers, name=f"{inp.n_groups} groups of {inp.group_size}", source="method auto")
+
+
+def figures_of(inp: MethodInputs) -> str:
+    ranks = f"{inp.group_size} rank{'s' if inp.group_size != 1 else ''}"
+    return (f"{inp.n_groups} groups of {ranks}; slow tier {inp.slow_gbps:.4g} GB/s per GPU "
+            f"({inp.slow_origin}), {inp.slow_latency_us:g} us; gradient {fmt_bytes(inp.grad_bytes)} per GPU "
+            f"({inp.grad_elements:.4g} x {inp.grad_dtype}); compute {inp.compute_s:.4g} s per step "
+            f"({inp.compute_from})")
+
+
+def choose_for_groups(inp: MethodInputs) -> MethodChoice:
+    """The choice for ``n_groups`` groups of ``group_size`` ranks joined by the slow tier (the engine's
+    view of its plan): priced on the two-tier topology of those figures."""
+    if inp.n_groups < 2:
+        raise SimError(f"method auto needs two groups or more (got {inp.n_groups})")
+    for what in ("slow_gbps", "fast_gbps", "grad_elements"):
+        v = getattr(inp, what)
+        if not (math.isfinite(v) and v > 0):
+            raise SimError(f"method auto: {what} = {v!r}; expected a positive number")
+    if not (math.isfinite(inp.compute_s) and inp.compute_s >= 0):
+        raise SimError(f"method auto: compute_s = {inp.compute_s!r}; expected a number >= 0")
+    wl = Workload(params=float(inp.grad_elements), grad_dtype=inp.grad_dtype, compute_s=float(inp.compute_s))
+    opt = replace(inp.options, rank_order="file", group_by="island")
+    return choose(_two_tier_topology(inp), wl, opt, figures=figures_of(inp), local_only=inp.local_only)
+
+
+def choose_for_cli(topo: Topology, wl: Workload, opt: SimOptions) -> MethodChoice:
+    """The choice ``topo-align simulate`` prints: the candidates priced on the whole topology and
+    workload (TP x PP layout, rank order, the user's selective knobs); the figures name the groups
+    of one data-parallel group and the plan's slow tier. Raises :class:`SimError` where `selective`
+    does not apply (e.g. unequal groups)."""
+    from ..topology.planner import plan_groups
+
+    world = topo.world_size
+    fab = Fabric.from_topology(apply_rank_order(topo, opt.rank_order, seed=opt.seed))
+    intra, rails = split_groups(fab, dp_groups(world, wl.tp, wl.pp), opt.group_by)
+    plan = plan_groups(topo, group_by=opt.group_by, mode="selective")
+    slow = topo.tiers[plan.inter_tier]
+    fast = topo.tiers[plan.intra_tier]
+    if wl.compute_s is not None:
+        src = "--compute-s"
+    else:
+        src = "6 x params x tokens / (GPUs x MFU x peak)" + (" with defaults" if wl.assumed else "")
+    inp = MethodInputs(int(rails.shape[1]), int(intra.shape[1]), slow.effective_gbps, slow.latency_us,
+                       f"{plan.inter_tier}, {slow.origin}", wl.grad_elements, wl.grad_dtype, wl.compute_seconds(world),
+                       src, fast.effective_gbps, fast.latency_us)
+    return choose(topo, wl, opt, figures=figures_of(inp))
