@@ -128,9 +128,8 @@ class SyncConfig(_Section):
     top_fraction: float | Literal["auto"] = "auto"
     """Fraction of all gradient elements, chosen by importance, that is SYNC besides the last N layers
     and `always_sync`; 1 equals `hierarchical`. `auto` (default): 1, every tensor SYNC (with `sync.dtype`
-    `auto`, on the int8 wire), or 0.15 (with bf16) where the user set a key that acts only through a
-    LOCAL class (`LOCAL_CLASS_KEYS`); set a number below 1 to keep a LOCAL class (docs/convergence.md,
-    "Many islands")."""
+    `auto`, on the int8 wire), or 0.15 (bf16) where the user set a LOCAL-class key (`LOCAL_CLASS_KEYS`);
+    a number below 1 keeps a LOCAL class (docs/convergence.md, "Many islands")."""
 
     @field_validator("top_fraction", mode="before")
     @classmethod
