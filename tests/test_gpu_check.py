@@ -24,7 +24,9 @@ import gpu_sync  # noqa: E402
 import gpu_world  # noqa: E402
 from gpu_plan import Result  # noqa: E402
 
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", PYTHON=sys.executable)
+# the checkout first; the suite's own entries (tests/site, scripts/test.sh) kept after it
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           DS_ACCELERATOR="cpu", PYTHON=sys.executable)
 
 
 def _run(*cmd: str, timeout: float) -> subprocess.CompletedProcess:
