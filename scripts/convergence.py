@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -507,7 +508,6 @@ def layout_title(layout: str) -> str:
 def report(results: list[dict], img_dir: Path) -> str:
     """Markdown tables (and PNG curves into ``img_dir``) of every run, grouped by layout and task
     (results written before `--layout` existed are 2x2)."""
-    import statistics
 
     import matplotlib
     matplotlib.use("Agg")
@@ -587,41 +587,79 @@ def report(results: list[dict], img_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def runs_of(results: list[dict], task: str, layout: str, name: str) -> list[dict]:
+    """The runs of one configuration, by seed (results written before `--layout` existed are 2x2)."""
+    return sorted((r for r in results if r["task"] == task and r.get("layout", "2x2") == layout
+                   and r["name"] == name), key=lambda r: r["seed"])
+
+
+def flat_of(results: list[dict], task: str, layout: str) -> tuple[dict[int, float], str | None]:
+    """``({seed: flat's final metric}, the layout it ran on)``: flat of ``layout``, else of the first
+    layout that ran it (flat trains on the same global batches in every layout)."""
+    layouts = sorted({r.get("layout", "2x2") for r in results}, key=lambda k: LAYOUTS.get(k, (0, 0)))
+    for lay in [layout] + [k for k in layouts if k != layout]:
+        flat = {r["seed"]: r["final"] for r in runs_of(results, task, lay, "flat")}
+        if flat:
+            return flat, lay
+    return {}, None
+
+
+def signed_gaps(task: str, runs: list[dict], flat: dict[int, float]) -> list[float]:
+    """Per seed with a flat run: loss, the relative increase in % (positive = worse); accuracy, the
+    difference in points (negative = worse)."""
+    return [rel_gap(task, r["final"], flat[r["seed"]]) * (1 if task in LOSS_TASKS else -1) + 0.0 for r in runs
+            if r["seed"] in flat]
+
+
+def ablation_table(results: list[dict], names: list[str]) -> list[str]:
+    """docs/convergence.md's "Reconciliation ablation" table: the runs ``names`` per task and layout,
+    with the gap to flat of the same seeds (flat of another layout where this one has none)."""
+    layouts = sorted({r.get("layout", "2x2") for r in results}, key=lambda k: LAYOUTS.get(k, (0, 0)))
+    lines = ["| task | layout | run | metric (per seed) | vs flat, mean (per seed) | SYNC share "
+             "| slow-tier payload/step |", "|---|---|---|---|---|---|---|"]
+    for task in ("gpt16", "gpt", "digits"):
+        loss = task in LOSS_TASKS
+        for lay in layouts:
+            flat, _ = flat_of(results, task, lay)
+            for name in names:
+                rr = runs_of(results, task, lay, name)
+                if not rr:
+                    continue
+                scale, nd = (1, 4) if loss else (100, 2)
+                gaps = signed_gaps(task, rr, flat)
+                each = ", ".join(f"{x:+.2f}" for x in gaps)
+                g = f"{statistics.mean(gaps):+.2f}{'%' if loss else ' points'} ({each})" if gaps else "–"
+                r0 = rr[0]
+                share = r0["sync_elements"] / (r0["sync_elements"] + r0["local_elements"])
+                vals = ", ".join(f"{r['final'] * scale:.{nd}f}" for r in rr)
+                pay = r0["inter_bytes"] / r0["curve"][-1][0] / 1024
+                lines.append(f"| {task} | {lay} | {name} | {vals} | {g} | {share:.2f} | {pay:.1f} KiB |")
+    return lines
+
+
 def layouts_table(results: list[dict]) -> list[str]:
     """One table over every layout (docs/convergence.md, "Many islands"): per task and run, each
     layout's per-seed metric, mean, gap to flat of the same layout and seeds (mean, per seed), the SYNC
     share at the end and the slow-tier payload per step of seed 0's run."""
-    import statistics
-
     layouts = sorted({r.get("layout", "2x2") for r in results}, key=lambda k: LAYOUTS.get(k, (0, 0)))
     lines = ["### All layouts", "", "| task | layout | run | metric (per seed) | mean | vs flat, mean (per seed): "
              "loss %, accuracy points "
              "| SYNC share | slow-tier payload/step |", "|---|---|---|---|---|---|---|---|"]
     for task in ("gpt16", "gpt", "digits"):
         loss = task in LOSS_TASKS
-        names = list(dict.fromkeys(r["name"] for r in results if r["task"] == task))
+        # flat first, then the runs in the order they ran
+        names = sorted(dict.fromkeys(r["name"] for r in results if r["task"] == task), key=lambda n: n != "flat")
         for name in names:
             for lay in layouts:
-                rr = sorted((r for r in results if r["task"] == task and r.get("layout", "2x2") == lay
-                             and r["name"] == name), key=lambda r: r["seed"])
+                rr = runs_of(results, task, lay, name)
                 if not rr:
                     continue
-                flat = {r["seed"]: r["final"] for r in results if r["task"] == task
-                        and r.get("layout", "2x2") == lay and r["name"] == "flat"}
-                other = ""
-                if not flat:  # flat trains on the same global batches in every layout
-                    for lay2 in layouts:
-                        flat = {r["seed"]: r["final"] for r in results if r["task"] == task
-                                and r.get("layout", "2x2") == lay2 and r["name"] == "flat"}
-                        if flat:
-                            other = f" (flat of {lay2})"
-                            break
+                flat, other = flat_of(results, task, lay)
+                other = f" (flat of {other})" if other != lay else ""
                 scale, nd = (1, 4) if loss else (100, 2)
                 vals = ", ".join(f"{r['final'] * scale:.{nd}f}" for r in rr) + ("" if loss else " %")
                 mean = statistics.mean(r["final"] for r in rr) * scale
-                # loss: relative increase in %; accuracy: the difference in points (negative = worse)
-                gaps = [rel_gap(task, r["final"], flat[r["seed"]]) * (1 if loss else -1) + 0.0 for r in rr
-                        if r["seed"] in flat]
+                gaps = signed_gaps(task, rr, flat)
                 unit = " %" if loss else " points"
                 if name == "flat":
                     g = "0"
