@@ -138,6 +138,17 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     ("reducer/adaptive/adaptive.py", "AdaptiveController._maybe_regroup", ".item()"): (
         1, "the broadcast regroup choice decides on the host whether the groups are rebuilt (adaptive checks "
            "only, after the bounded wait for the broadcast)"),
+    # method: auto (issue 38): once after the timed steps, and again only when the slow tier moved
+    ("reducer/adaptive/method.py", "MethodAuto._choose", ".cpu()"): (
+        1, "the broadcast method choice decides on the host which keys the engine reconfigures with (once "
+           "after the timed steps, again only on a re-choice)"),
+    ("reducer/adaptive/method.py", "MethodAuto._choose", ".tolist()"): (
+        1, "the same broadcast choice, read as two host integers"),
+    ("reducer/adaptive/method.py", "MethodAuto._apply", ".cpu()"): (
+        1, "the importance ranking of a switch to a LOCAL class is made on the host, as at a class refresh "
+           "(at the switch only, after the blocking reconciliation)"),
+    ("reducer/adaptive/method.py", "MethodAuto._apply", ".tolist()"): (
+        1, "the same ranking, as host floats for ClassPolicy.classify"),
     ("reducer/adaptive/adaptive.py", "AdaptiveController._probe.probe", ".synchronize()"): (
         1, "the adaptive probe times an all-reduce to completion (adaptive checks that want a probe only)"),
     ("reducer/schedule/dispatch.py", "Dispatcher.collect", ".wait()"): (
