@@ -5,6 +5,7 @@ Every ``import`` and ``from ... import`` in every module counts, at module level
 
     config <- topology <- reducer <- torch | deepspeed | megatron <- train <- bench <- cli
                                       torch <- fsdp
+                                      torch, fsdp, deepspeed <- hf (Accelerate, Trainer)
                        \\- sim, emulate (topology only; reducer asks sim for `method: auto`)
                        doctor, plot (topology)     diagnostics (reducer, doctor, emulate)
 
@@ -53,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
     "deepspeed": {"config", "topology", "reducer"},
     "megatron": {"config", "topology", "reducer"},
     "fsdp": {"config", "topology", "reducer", "torch"},  # FSDP2: the plain-PyTorch adapter's groups and view
+    "hf": {"config", "torch", "fsdp", "deepspeed"},  # Accelerate/Trainer: picks the adapter of each path
     "train": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "testing"},
     "bench": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "train", "emulate", "testing"},
     "cli": {"", "config", "topology", "doctor", "plot", "diagnostics", "sim", "emulate", "bench"},
@@ -135,7 +137,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path] | None = None) ->
 
 # -- adapters issue no collective of their own ---------------------------------------------------
 
-ADAPTERS = ("torch", "deepspeed", "megatron", "fsdp")
+ADAPTERS = ("torch", "deepspeed", "megatron", "fsdp", "hf")
 ENGINE_ONLY = {f"{PKG}.reducer.wire.collectives", f"{PKG}.reducer.wire.wire", f"{PKG}.reducer.wire.lossy_wire"}
 """Modules only the engine imports: an adapter hands buckets to the dispatcher (reducer/schedule/dispatch.py)."""
 COLLECTIVES = {

@@ -110,7 +110,11 @@ def _rank_main(rank, world, tmp):
     H.prepare_cpu()
     tds.install()  # the one line: Trainer and Accelerator call deepspeed.initialize from here on
     out: dict = {"_times": {}}
-    for name, fn, args in (("trainer", _trainer, (rank, tmp)), ("accelerate", _accelerate, (rank,))):
+    from _hf_paths import accelerate_paths, trainer_paths  # issue 39 items 2-3: DDP, FSDP2, the callback
+
+    for name, fn, args in (("trainer", _trainer, (rank, tmp)), ("accelerate", _accelerate, (rank,)),
+                           ("accelerate_paths", accelerate_paths, (rank, tmp)),
+                           ("trainer_paths", trainer_paths, (rank, tmp))):
         # No per-section try/except: a rank that raises fails the whole world at once (run_world).
         t0 = time.perf_counter()
         out[name] = fn(*args)
@@ -122,7 +126,7 @@ def _rank_main(rank, world, tmp):
 def world(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("hf4"))
     t0 = time.perf_counter()
-    out = run_world(4, _rank_main, tmp, timeout=400, pg_timeout=120,
+    out = run_world(4, _rank_main, tmp, timeout=480, pg_timeout=120,
                     env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
     print(f"hf world: {time.perf_counter() - t0:.1f} s wall; sections (rank 0): {out[0]['_times']}")
     return out
@@ -215,3 +219,299 @@ def test_selective_at_zero2_shards_inside_the_island(world):
     # DeepSpeed's data-parallel group is the island (docs/deepspeed.md, "selective at ZeRO-1/2"),
     # also when HF filled train_batch_size for the 4-rank world
     assert world[0]["trainer"]["selective"]["dp_world"] == 2
+
+
+# -- issue 39 item 2: every path Accelerate takes (tests/_hf_paths.py, the same world) ---------------
+
+def _paths(world):
+    return [out["accelerate_paths"] for out in world]
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("path", ["ddp", "fsdp2"])
+def test_accelerate_path_hierarchical_equals_stock(world, path):
+    from _hf_paths import STEPS
+
+    for r, out in enumerate(_paths(world)):
+        rec, stock = out[path], out[f"stock_{path}"]
+        assert rec["path"] == path and stock["path"] is None, (r, rec["path"], stock["path"])
+        assert rec["model"] == stock["model"], (rec["model"], stock["model"])  # DistributedDataParallel / FSDP...
+        # 2 micro-steps per optimizer step (accelerate's no_sync / set_requires_gradient_sync); fp32
+        err = float((rec["params"] - stock["params"]).abs().max())
+        assert err <= 1e-6, (r, path, err)
+        assert max(abs(a - b) for a, b in zip(rec["losses"], stock["losses"])) <= 1e-5, (rec["losses"], stock["losses"])
+        f = rec["figures"]
+        assert f["topo_align/method"] == "hierarchical" and f["topo_align/steps"] == STEPS, f
+        assert f["topo_align/slow_tier_bytes"] > 0, f
+    ddp = _paths(world)[0]["ddp"]
+    # the hook ran on the last micro-step of each optimizer step only (DDP calls no hook in no_sync)
+    assert ddp["buckets_reduced"] == STEPS * ddp["ddp_buckets"], ddp
+
+
+@pytest.mark.timeout(500)
+def test_accelerate_ddp_local_class_invariants(world):
+    from _hf_paths import STEPS
+
+    for r, out in enumerate(_paths(world)):
+        rec = out["ddp_local"]
+        assert [s["step"] for s in rec["records"]] == list(range(STEPS)), r
+        assert all(s["error"] is None for s in rec["records"]), (r, rec["records"])
+        f = rec["figures"]
+        assert f["topo_align/method"] == "selective" and 0 < f["topo_align/sync_share"] < 1, f
+        assert f["topo_align/reconciles"] >= 1, f
+    # LOCAL changes the optimizer's semantics: the loss stays within 2 % of stock at every step
+    for out in _paths(world):
+        for a, b in zip(out["ddp_local"]["losses"], out["stock_ddp"]["losses"]):
+            assert abs(a - b) <= 0.02 * b, (out["ddp_local"]["losses"], out["stock_ddp"]["losses"])
+
+
+@pytest.mark.timeout(500)
+def test_accelerate_save_state_round_trips_the_engine(world):
+    outs = _paths(world)
+    for r, out in enumerate(outs):
+        st = out["save_state"]
+        assert st["files"] == [f"rank{i}.pt" for i in range(4)], st["files"]
+        assert st["moved"] == st["saved_step"] + 1 and st["same"], (r, st["moved"], st["saved_step"], st["same"])
+        # save_state reconciled first: every rank saved the same parameters
+        assert bool((st["params"] == outs[0]["save_state"]["params"]).all()), r
+
+
+@pytest.mark.timeout(500)
+def test_accelerate_says_once_where_it_cannot_act(world):
+    out = _paths(world)[0]
+    assert not out["own_hook"]["attached"] and out["own_hook"]["model"] == "DistributedDataParallel"
+    refusals = [ln for ln in out["lines"] if ln.startswith("topo-align: not active")]
+    assert refusals == ["topo-align: not active on Accelerate DDP (MULTI_CPU): " + _cannot("comm_hook")], refusals
+    starts = [ln for ln in out["lines"] if ln.startswith("topo-align: active on")]
+    # one start line per prepared model: DDP hierarchical, FSDP2 hierarchical, DDP selective
+    assert [s.split(",")[0] for s in starts] == ["topo-align: active on Accelerate DDP (MULTI_CPU)",
+                                                 "topo-align: active on Accelerate FSDP2",
+                                                 "topo-align: active on Accelerate DDP (MULTI_CPU)"], starts
+    assert "4 ranks = 2 islands x 2; mode selective: SYNC" in starts[2] and "LOCAL reconciled every 2" in starts[2]
+    for other in _paths(world)[1:]:  # rank 0 only
+        assert not [ln for ln in other["lines"] if ln.startswith(("topo-align: active", "topo-align: not active"))]
+
+
+def _cannot(kind):
+    from topo_integrations.hf import CANNOT
+
+    return CANNOT[kind]
+
+
+# -- issue 39 item 3: the Trainer (DDP path, the callback, checkpoints) -------------------------------
+
+def _tr(world):
+    return [out["trainer_paths"] for out in world]
+
+
+FIGURES = ("topo_align/method", "topo_align/sync_share", "topo_align/slow_tier_bytes_per_step",
+           "topo_align/reconciles")
+
+
+@pytest.mark.timeout(500)
+def test_trainer_logs_carry_the_figures(world):
+    out = _tr(world)[0]
+    cbs = out["local"]["callbacks"]
+    # after the flow callback (should_save is decided), before the integrations and the user's callbacks
+    assert cbs.index("TopoAlignCallback") == cbs.index("DefaultFlowCallback") + 1, cbs
+    assert cbs.index("TopoAlignCallback") < cbs.index("TensorBoardCallback") < cbs.index("Reporter"), cbs
+    logs = [h for h in out["local"]["history"] if "loss" in h]
+    seen = [h for h in out["seen"]["local"] if "loss" in h]
+    assert len(logs) == len(seen) == 3, (logs, seen)  # logging_steps 2 over 6 steps
+    for h in logs + seen:
+        assert all(k in h for k in FIGURES), h
+        assert h["topo_align/method"] == "selective" and 0 < h["topo_align/sync_share"] < 1, h
+        assert h["topo_align/slow_tier_bytes_per_step"] > 0, h
+    assert [h["topo_align/steps"] for h in logs] == [2, 4, 6]
+    assert logs[-1]["topo_align/reconciles"] >= 2, logs[-1]
+    assert "topo_align/method" not in str(out["seen"]["stock"])  # no install, no callback
+    # the agreed clip norm: every rank logged the same gradient norm
+    norms = [[h["grad_norm"] for h in o["local"]["history"] if "loss" in h] for o in _tr(world)]
+    assert all(n == norms[0] for n in norms), norms
+
+
+@pytest.mark.timeout(500)
+def test_trainer_tensorboard_shows_the_figures(world, tmp_path_factory):
+    tb = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    logdir = Path(world[0]["trainer_paths"]["tb_dir"])
+    acc = tb.EventAccumulator(str(logdir))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for k in ("sync_share", "slow_tier_bytes_per_step", "reconciles"):
+        assert f"train/topo_align/{k}" in tags, tags
+    assert [e.step for e in acc.Scalars("train/topo_align/sync_share")][:3] == [2, 4, 6]
+
+
+@pytest.mark.timeout(500)
+def test_trainer_local_class_loss_against_stock(world):
+    from _hf_paths import SAVE_AT
+
+    for out in _tr(world):
+        local = [h["loss"] for h in out["local"]["history"] if "loss" in h]
+        stock = [h["loss"] for h in out["stock"]["history"] if "loss" in h]
+        # a pinned LOCAL class (sync.top_fraction 0.15, reconciled every 2 steps) changes the
+        # optimizer's semantics: the logged loss stays within 2 % of stock DDP's (measured: 0.3 %)
+        assert len(local) == len(stock) == 3 and all(abs(a - b) <= 0.02 * b for a, b in zip(local, stock)), \
+            (local, stock)
+        assert out["local"]["model"] == out["stock"]["model"] == "DistributedDataParallel"
+        assert out["local"]["checkpoint_files"] == [f"rank{r}.pt" for r in range(4)], out["local"]["checkpoint_files"]
+    assert any("restored from" in ln and f"checkpoint-{SAVE_AT}" in ln for ln in _tr(world)[0]["lines"])
+
+
+@pytest.mark.timeout(500)
+def test_trainer_resume_is_bitwise_the_uninterrupted_run(world):
+    for r, out in enumerate(_tr(world)):
+        a, b = out["local"]["params"], out["resumed"]["params"]
+        assert a.dtype == b.dtype and torch_equal(a, b), (r, float((a - b).abs().max()))
+        final = [h for h in out["resumed"]["history"] if "loss" in h][-1]
+        assert final["loss"] == [h for h in out["local"]["history"] if "loss" in h][-1]["loss"], final
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+# -- no ranks: which path, and the words where topo-align cannot act (paths.py) ----------------------
+
+def _acc(kind, *, fsdp_version=None, fp8="NO", comm_hook="no", pc=None, ds_config=None):
+    from types import SimpleNamespace as NS
+
+    state = NS(fsdp_plugin=NS(fsdp_version=fsdp_version) if fsdp_version else None, parallelism_config=pc,
+               deepspeed_plugin=NS(deepspeed_config=ds_config) if ds_config is not None else None)
+    return NS(distributed_type=kind, state=state, fp8_backend=fp8, ddp_handler=NS(comm_hook=comm_hook))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("acc, path, kind", [
+    (_acc("MULTI_GPU"), "DDP (MULTI_GPU)", "ddp"),
+    (_acc("MULTI_CPU"), "DDP (MULTI_CPU)", "ddp"),
+    (_acc("FSDP", fsdp_version=2), "FSDP2", "fsdp2"),
+    (_acc("DEEPSPEED", ds_config={"topo_align": {}}), "DeepSpeed", "deepspeed"),
+    (_acc("FSDP", fsdp_version=1), "FSDP1", "fsdp1"),
+    (_acc("MULTI_GPU", fp8="MSAMP"), "DDP (MULTI_GPU)", "msamp"),
+    (_acc("DEEPSPEED", fp8="MSAMP", ds_config={"topo_align": {}}), "DeepSpeed", "msamp"),
+    (_acc("MEGATRON_LM"), "Megatron-LM", "megatron"),
+    (_acc("XLA"), "XLA", "xla"),
+    (_acc("MULTI_GPU", comm_hook="fp16"), "DDP (MULTI_GPU)", "comm_hook"),
+    (_acc("FSDP", fsdp_version=2, pc=__import__("types").SimpleNamespace(tp_enabled=True)), "FSDP2", "parallelism"),
+    (_acc("NO"), "one process", "one_process"),
+])
+def test_decide_names_the_path_and_why(acc, path, kind):
+    from topo_integrations import TopoAlignConfig
+    from topo_integrations.hf import CANNOT, decide
+
+    d = decide(acc, TopoAlignConfig.model_validate({"mode": "hierarchical"}))
+    assert (d.path, d.kind, d.act) == (path, kind, kind in ("ddp", "fsdp2", "deepspeed")), d
+    assert d.why == ("" if d.act else CANNOT[kind])
+
+
+@pytest.mark.timeout(60)
+def test_decide_without_a_block():
+    from topo_integrations import TopoAlignConfig
+    from topo_integrations.hf import decide
+
+    assert decide(_acc("MULTI_GPU"), None).kind == "no_config"
+    assert decide(_acc("DEEPSPEED", ds_config={}), None).kind == "no_block"
+    # the DeepSpeed config's own block is enough; install()'s block fills a config without one
+    assert decide(_acc("DEEPSPEED", ds_config={"topo_align": {}}), None).act
+    assert decide(_acc("DEEPSPEED", ds_config={}), TopoAlignConfig()).act
+    assert decide(_acc("FSDP", fsdp_version=2), TopoAlignConfig.model_validate({"enabled": False})).kind == "disabled"
+
+
+@pytest.mark.timeout(60)
+def test_a_deepspeed_config_without_a_block_gets_installs_block():
+    from topo_integrations.deepspeed import read_block
+    from topo_integrations.hf import read_config
+    from topo_integrations.hf.prepare import inject_block
+
+    cfg = read_config({"mode": "selective", "sync": {"dtype": "auto", "top_fraction": 0.15},
+                       "local": {"reconcile_interval": 4}})
+    acc = _acc("DEEPSPEED", ds_config={"train_micro_batch_size_per_gpu": "auto"})
+    inject_block(acc, cfg)
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    # accelerate takes any "auto" for its placeholder: an explicit "auto" is left out (its default)
+    assert ds["topo_align"] == {"mode": "selective", "sync": {"top_fraction": 0.15}, "local": {"reconcile_interval": 4}}
+    assert read_block(ds) == cfg
+
+
+@pytest.mark.timeout(60)
+def test_read_config(tmp_path, monkeypatch):
+    from topo_integrations.config import ConfigError
+    from topo_integrations.hf import CONFIG_ENV, read_config
+
+    assert read_config({"mode": "hierarchical"}).mode == "hierarchical"
+    assert read_config({"topo_align": {"mode": "flat"}}).mode == "flat"  # a framework config holding it
+    f = tmp_path / "block.json"
+    f.write_text(json.dumps({"sync": {"top_fraction": 0.15}}))
+    monkeypatch.setenv(CONFIG_ENV, str(f))
+    assert read_config().sync.top_fraction == 0.15
+    monkeypatch.delenv(CONFIG_ENV)
+    assert read_config() is None
+    with pytest.raises(ConfigError, match="mode"):
+        read_config({"mode": "fast"})
+
+
+# -- the accelerate launch CLI with a config file (4 CPU processes as 2 virtual nodes x 2) -------------
+
+def _accelerate_cli() -> list[str]:
+    import shutil
+    import sys
+
+    exe = Path(sys.executable).parent / "accelerate"
+    return [str(exe)] if exe.exists() else [shutil.which("accelerate") or "accelerate"]
+
+
+LAUNCHES = {"ddp": ("accelerate-ddp.yaml", "topo-align-selective.json"),
+            "fsdp2": ("accelerate-fsdp2.yaml", "topo-align-hierarchical.json")}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """``accelerate launch --config_file configs/hf/<yaml> scripts/hf_accelerate_example.py --config
+    configs/hf/<block>`` for each path, both started at once (their single-threaded start-up phases
+    overlap; on 2 cores that saves a third of the wall time). The script calls
+    ``topo_integrations.hf.install(<block>)`` and trains 3 steps of 2 micro-steps after a stock run of
+    the same steps (--compare-stock); a torch-only LM (no transformers import: launch time)."""
+    import subprocess
+
+    tmp = tmp_path_factory.mktemp("launch")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs, t0 = {}, time.perf_counter()
+    for path, (launch, block) in LAUNCHES.items():
+        cmd = _accelerate_cli() + ["launch", "--config_file", str(ROOT / "configs" / "hf" / launch),
+                                   str(ROOT / "scripts" / "hf_accelerate_example.py"), "--config",
+                                   str(ROOT / "configs" / "hf" / block), "--model", "tiny", "--steps", "3",
+                                   "--compare-stock", "--out", str(tmp / f"{path}.json")]
+        procs[path] = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+    out = {}
+    for path, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=max(1.0, 280 - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        rep = tmp / f"{path}.json"
+        out[path] = (proc.returncode, err, json.loads(rep.read_text()) if rep.exists() else None)
+    print(f"accelerate launch (ddp and fsdp2 at once): {time.perf_counter() - t0:.1f} s wall")
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", sorted(LAUNCHES))
+def test_accelerate_launch_cli(launches, path):
+    rc, stderr, rep = launches[path]
+    assert rc == 0, stderr[-4000:]
+    assert rep["world"] == 4 and rep["path"] == path and rep["figures"]["topo_align/steps"] == 3, rep
+    label = {"ddp": "Accelerate DDP (MULTI_CPU)", "fsdp2": "Accelerate FSDP2"}[path]
+    starts = [ln for ln in stderr.splitlines() if ln.startswith("topo-align: active on")]
+    assert len(starts) == 1 and starts[0].startswith(f"topo-align: active on {label}, 4 ranks = 2 islands x 2"), \
+        starts  # the line users see, once (rank 0)
+    if rep["figures"]["topo_align/method"] == "hierarchical":
+        assert rep["max_param_diff_vs_stock"] <= 1e-6, rep
+    else:  # a pinned LOCAL class: within 2 % of stock's loss at every step
+        assert rep["figures"]["topo_align/sync_share"] < 1 and rep["figures"]["topo_align/reconciles"] >= 1, rep
+        assert all(abs(a - b) <= 0.02 * b for a, b in zip(rep["losses"], rep["stock_losses"])), rep

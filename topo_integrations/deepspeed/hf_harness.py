@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["tiny_causal_lm", "SyntheticTokens", "fresh_accelerate_state", "training_args", "step_check",
-           "train_trainer", "train_accelerate"]
+           "train_trainer", "train_accelerate", "accelerate_loop"]
 
 VOCAB = 64
 SEQ = 16
@@ -124,20 +124,31 @@ def train_accelerate(model, deepspeed: str | dict, steps: int, check: Callable |
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     loader = DataLoader(SyntheticTokens(), batch_size=batch, shuffle=False)
     engine, opt, loader = acc.prepare(model, opt, loader)
+    return (engine, acc, accelerate_loop(acc, engine, opt, loader, steps, check=check))
+
+
+def accelerate_loop(acc, model, opt, loader, steps: int, *, clip: float = 0.0, check: Callable | None = None):
+    """``steps`` optimizer steps of prepared objects: ``accumulate``, ``backward``, ``clip_grad_norm_``
+    on the last micro-step (``clip`` > 0), ``step``. Returns the loss of every optimizer step (the mean
+    over its micro-steps); ``check(model, step)`` runs after each optimizer step."""
     losses: list[float] = []
-    step = 0
+    step, total, micro = 0, 0.0, 0
     while step < steps:
         for item in loader:
-            with acc.accumulate(engine):
-                loss = engine(**item).loss
+            with acc.accumulate(model):
+                loss = model(**item).loss
                 acc.backward(loss)
+                total, micro = total + float(loss.detach()), micro + 1
+                if clip and acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 opt.zero_grad()
             if acc.sync_gradients:
-                losses.append(float(loss.detach()))
+                losses.append(total / micro)
+                total, micro = 0.0, 0
                 if check is not None:
-                    check(engine, step)
+                    check(model, step)
                 step += 1
                 if step == steps:
                     break
-    return engine, acc, losses
+    return losses

@@ -75,14 +75,19 @@ class Unit:
 
 
 def units_of(model: nn.Module) -> list[Unit]:
-    """Every FSDP2 parameter group of ``model`` (``fully_shard`` applied to it or its submodules)."""
+    """Every FSDP2 parameter group of ``model`` (``fully_shard`` applied to it or its submodules), once
+    (accelerate shards ``[final norm, lm_head]`` in one ``fully_shard`` call)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     out: list[Unit] = []
+    seen: set[int] = set()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         state = fully_shard.state(module)
+        if id(state) in seen:  # fully_shard([a, b]): the modules of one call share one state and group
+            continue
+        seen.add(id(state))
         groups = _need(state, "_fsdp_param_groups", "FSDPState")
         if len(groups) > 1:
             raise ValueError(f"topo_align: {type(module).__name__} has {len(groups)} FSDP2 parameter groups (a "
