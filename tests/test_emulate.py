@@ -20,7 +20,12 @@ import pytest
 
 from topo_integrations.emulate import DelayUnsupported, EmulatedCluster, EmulationError, LinkShape, plan_layout
 from topo_integrations.emulate import cli as emulate_cli
-from topo_integrations.emulate.netns import NS_PREFIX_RE, list_namespaces, probe_unavailable_reason
+from topo_integrations.emulate.netns import (
+    NS_PREFIX_RE,
+    list_namespaces,
+    namespace_pids,
+    probe_unavailable_reason,
+)
 from topo_integrations.emulate.runner import node_env, rank_env
 from topo_integrations.emulate.shaping import netem_available
 from topo_integrations.topology.file_source import load_topology_file
@@ -377,6 +382,33 @@ def test_spine_link_carries_cross_leaf_traffic_and_can_be_slowed():
     assert 1_000_000 <= across.link("node2").rx_bytes <= 1_050_000
     assert [n for n in list_namespaces() if n.startswith(prefix + "-")] == []
     assert _root_links() == links_before
+
+
+@needs_netns
+@pytest.mark.emulated
+@pytest.mark.timeout(90)
+def test_partitioned_leaf_and_killed_rank():
+    """The fault tools of scripts/fault_soak.py: ``spine_down`` cuts a leaf off the others (its nodes
+    still reach each other), ``spine_up`` heals it; ``kill_rank`` SIGKILLs the rank's own process."""
+    with EmulatedCluster(load_topology_file(TOPO_2LEAF)) as cl:
+        cl.spine_down("leaf1")
+        assert cl.measure("node2", "node3", nbytes=100_000, pings=1)["mbit_per_s"] > 0  # inside the island
+        with pytest.raises(EmulationError, match="probe node0 -> node2 failed"):
+            cl.measure("node0", "node2", nbytes=100_000, pings=1, probe_timeout=2)
+        cl.spine_up("leaf1")
+        assert cl.measure("node0", "node2", nbytes=100_000, pings=1)["mbit_per_s"] > 0
+        # rank 2 with a helper of its own (same environment): only the rank's process is the rank
+        job = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; "
+               "time.sleep(60)']); time.sleep(60)")
+        proc = cl.popen("node2", [sys.executable, "-c", job], env={**os.environ, "RANK": "2"})
+        deadline = time.monotonic() + 30
+        while len(namespace_pids(cl.node("node2").ns)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = cl.rank_pids(2)
+        assert len(pids) == 1 and cl.rank_pids(3) == [] and cl.kill_rank(2) == pids
+        assert proc.wait(timeout=10) == -signal.SIGKILL or not Path(f"/proc/{pids[0]}").exists()
+        prefix = cl.layout.prefix
+    assert [n for n in list_namespaces() if n.startswith(prefix + "-")] == []
 
 
 # -- emulated: every exit path cleans up -------------------------------------------------------------

@@ -243,3 +243,43 @@ def test_entry_point_bad_flag_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "sync.top_fraction" in err[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow  # a process of its own: the rank ends with os._exit
+@pytest.mark.timeout(120)
+def test_a_collective_error_ends_the_rank_at_once_with_exit_3():
+    """docs/reliability.md, "What the job does on a CollectiveError": the entry points' main prints the
+    error in one line and exits 3 without the teardown (barrier, destroy) that would wait on a dead peer,
+    so torchrun --max-restarts restarts the job from its last checkpoint."""
+    code = ("import argparse, sys\n"
+            "from topo_integrations.train import common\n"
+            "from topo_integrations.reducer import CollectiveError\n"
+            "def run(args):\n"
+            "    raise CollectiveError('topo_align: all_reduce on the inter group (global ranks 0, 2) failed')\n"
+            "sys.exit(common.run_main(argparse.Namespace(check_args=False), None, run))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert r.returncode == common.EXIT_COLLECTIVE == 3
+    assert r.stderr.strip().splitlines() == [
+        "CollectiveError: topo_align: all_reduce on the inter group (global ranks 0, 2) failed"]
+
+
+@pytest.mark.timeout(60)
+def test_attempt_store_keeps_each_torchrun_attempt_apart(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from topo_integrations.testing import free_port
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert common.attempt_store(datetime.timedelta(seconds=5)) is None  # not under torchrun
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent hosts the store
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    store = common.attempt_store(datetime.timedelta(seconds=5))
+    store.set("rank_1", "10.0.0.2:1234")
+    assert server.get("topo_align/attempt_2/rank_1") == b"10.0.0.2:1234"
+    assert not server.check(["rank_1"])  # a later attempt cannot read this one's peer addresses

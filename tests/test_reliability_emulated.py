@@ -5,14 +5,17 @@
   with its numbers. *Which* changes happen depends on how much the machine's load blurs the measured
   link speed, so they are not asserted here: tests/test_reliability.py feeds the same controller
   injected measurements and asserts the exact decisions;
-* a node's cable cut mid-run (``link_down``): the job fails within ``timeout_s + 30 s`` with the
-  CollectiveError naming operation, group and ranks; after ``link_up`` the restarted job resumes
-  from the last checkpoint and ends with parameters bitwise equal to a run without the fault.
+* a node's cable cut mid-run (``link_down``), the fault soak's slice (scripts/soak_jobs.py; the
+  whole soak: scripts/fault_soak.py): under ``torchrun --max-restarts`` every rank is out within
+  ``timeout_s + 30 s`` with the CollectiveError naming operation, group and ranks; after ``link_up``
+  torchrun's restart resumes from the last checkpoint and the job ends with parameters bitwise equal
+  to its reference (the job without the fault, stopped and resumed at the same checkpoint).
 
-This file is also the training worker the tests launch on every rank
+This file is also the training worker the tests and the soak launch on every rank
 (``python tests/test_reliability_emulated.py --out DIR ...``): a small deterministic MLP trained
-with the GroupedReducer, per-rank checkpoints (topo_integrations.train.checkpoint), pauses at
-given steps so the test can change the network between two steps.
+with the GroupedReducer, per-rank checkpoints (topo_integrations.train.checkpoint), a line per step
+on rank 0, pauses at given steps so the test can change the network between two steps,
+``--stop-after`` as the entry points have it.
 Skips with the reason when namespaces cannot be made. Budget: ~90 s on the 2-core machine.
 """
 
@@ -46,6 +49,7 @@ def worker(argv: list[str] | None = None) -> int:
     from topo_integrations import GroupedReducer, TopoAlignConfig
     from topo_integrations.reducer import CollectiveError
     from topo_integrations.train import checkpoint as ckpt
+    from topo_integrations.train.common import attempt_store, parse_set
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -62,31 +66,33 @@ def worker(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--fail-once-at", type=int, default=0,
                     help="rank 1 stalls past the timeout at this step, once (marker file in --out)")
+    ap.add_argument("--stop-after", type=int, default=0,
+                    help="exit after this step without saving it, as if killed (the entry points' flag)")
+    ap.add_argument("--topology", default=None, help="a JSON topology file (topology.source file)")
+    ap.add_argument("--group-by", default="island", choices=("island", "leaf"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a field of the block by dotted name (VALUE is JSON), as the entry points take it")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tmo = datetime.timedelta(seconds=60)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None:
-        # Under torchrun restarts, gloo's connectFullMesh read peer addresses left in the store by the
-        # previous attempt ("Connection refused", every retry) on the loaded test machine; a key prefix
-        # per attempt keeps each attempt's rendezvous apart.
-        rk, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws,
-                             is_master=(not agent and rk == 0), timeout=tmo)
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"topo_align/attempt_{attempt}", base),
-                                rank=rk, world_size=ws, timeout=tmo)
+    # Under torchrun each attempt rendezvouses under its own key prefix (topo_integrations.train.common.
+    # attempt_store: a restart must not read the peer addresses of the attempt before).
+    store = attempt_store(tmo)
+    if store is not None:
+        dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=tmo)
     else:
         dist.init_process_group("gloo", timeout=tmo)
     rank = dist.get_rank()
-    cfg = TopoAlignConfig.model_validate({
-        "mode": a.mode, "fallback": {"timeout_s": a.timeout_s},
-        "communication": {"bucket_size_mb": 64.0},
-        "adaptive": {"enabled": a.adaptive, "check_interval": a.check_interval, "window": a.window,
-                     "slowdown_factor": a.slowdown}})
+    block = {"mode": a.mode, "fallback": {"timeout_s": a.timeout_s}, "communication": {"bucket_size_mb": 64.0},
+             "adaptive": {"enabled": a.adaptive, "check_interval": a.check_interval, "window": a.window,
+                          "slowdown_factor": a.slowdown}}
+    if a.topology:
+        block["topology"] = {"source": "file", "file": a.topology, "group_by": a.group_by}
+    cfg = TopoAlignConfig.model_validate(block).with_overrides(parse_set(a.set))
     torch.manual_seed(0)
     w = a.width
     model = nn.Sequential(nn.Linear(w, 2 * w), nn.Tanh(), nn.Linear(2 * w, w))
@@ -100,9 +106,13 @@ def worker(argv: list[str] | None = None) -> int:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         reducer.load_state_dict(st["reducer"])
-        print(f"resumed from step {start}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"resumed from step {start}", file=sys.stderr, flush=True)
+    elif a.resume and rank == 0:
+        print("--resume: no checkpoint; starting at step 0", file=sys.stderr, flush=True)
     pauses = {int(s) for s in a.pause_at.split(",") if s}
     progress = open(out / f"progress_r{rank}.jsonl", "a", encoding="utf-8")
+    step = start
     try:
         for step in range(start + 1, a.steps + 1):
             t0 = time.perf_counter()
@@ -120,6 +130,10 @@ def worker(argv: list[str] | None = None) -> int:
             level = reducer.adaptive.level if reducer.adaptive else "off"
             progress.write(json.dumps({"step": step, "s": time.perf_counter() - t0, "level": level}) + "\n")
             progress.flush()
+            if rank == 0:  # the run's log: what tests and scripts/fault_soak.py follow
+                print(f"step {step} done in {time.perf_counter() - t0:.3f} s", file=sys.stderr, flush=True)
+            if a.stop_after and step >= a.stop_after:
+                break
             if a.save_every and step % a.save_every == 0:
                 reducer.reconcile(opt)
                 ckpt.save(ck, step, {"model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -133,12 +147,13 @@ def worker(argv: list[str] | None = None) -> int:
         # launcher sees the failure and restarts the job from the last checkpoint.
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_COLLECTIVE)
-    reducer.reconcile(opt)
-    if rank == 0:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / "final.pt")
-        if reducer.adaptive is not None:
-            (out / "events.json").write_text(json.dumps({"events": reducer.adaptive.events,
-                                                          "checks": reducer.adaptive.checks}))
+    if not (a.stop_after and step >= a.stop_after):  # stopped: as if killed, no final parameters
+        reducer.reconcile(opt)
+        if rank == 0:
+            torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / "final.pt")
+            if reducer.adaptive is not None:
+                (out / "events.json").write_text(json.dumps({"events": reducer.adaptive.events,
+                                                              "checks": reducer.adaptive.checks}))
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -264,47 +279,58 @@ def test_slow_link_run_completes_ranks_agree_and_logs(tmp_path):
         print(f"steps {lo}-{hi}: median {ts[len(ts) // 2] * 1e3:.0f} ms, levels {sorted(set(levels[0][lo - 1:hi]))}")
 
 
+def _soak_jobs():
+    """scripts/soak_jobs.py: the fault soak's jobs (scripts/fault_soak.py runs the whole soak)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak_jobs", ROOT / "scripts" / "soak_jobs.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["soak_jobs"] = mod  # its dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # Time limits here only bound a failure; they are generous, so a heavily loaded machine (one run
 # here at load average 97 took over 150 s for 12 steps) slows the test without failing it.
 @pytest.mark.timeout(1800)
-def test_cut_link_fails_fast_and_restart_resumes_bitwise(tmp_path):
-    import torch
+def test_cut_link_fails_fast_and_restart_resumes_bitwise(tmp_path, monkeypatch):
+    """The fault soak's slice (docs/reliability.md, "Fault soak"): a GroupedReducer job under torchrun
+    --max-restarts on the emulated virtual-2leaf cluster; node3's cable is cut after step 4. (The whole
+    soak, scripts/fault_soak.py, adds killed ranks, partitioned islands, slowed links and DeepSpeed.)"""
+    from topo_integrations.emulate import EmulatedCluster
+    from topo_integrations.topology.file_source import load_topology_file
 
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    common = ["--steps", "12", "--save-every", "4", "--timeout-s", "10"]
-    with _cluster() as cl:
-        res = cl.launch([sys.executable, WORKER, "--out", str(ref), *common], timeout=600, port=_port(),
-                        out=io.StringIO())
-        assert res.exit_code == 0, res.reason
-        run = _Runner(cl, ["--out", str(cut), *common, "--pause-at", "6"], timeout=600)
-        run.wait_pause(cut, 6, timeout=500)
-        cl.link_down("node1")
-        (cut / "resume_6").write_text("1")
-        failed = run.join(timeout=700)
-        log = run.buf.getvalue()
-        # the job ends with the named error (exit 3), not by the launcher's time limit (a hang: 124)
-        assert failed.exit_code == EXIT_COLLECTIVE, (failed.reason, log[-3000:])
-        # gloo's own timeout ("failed after X s, timeout 10s") or the schedule's watch ("did not
-        # complete within fallback.timeout_s = 10s (X s since it was issued") names it first: a race
-        after = [float(a or b) for a, b in re.findall(
-            r"CollectiveError: topo_align: (?:all_reduce|reduce_scatter|all_gather)\S* on the "
-            r"(?:inter|intra|data-parallel) group \(global ranks [0-9, ]+\) (?:failed after ([0-9.]+)s, "
-            r"timeout 10s|did not complete within fallback\.timeout_s = 10s \(([0-9.]+)s since it was issued)",
-            log)]
-        assert after, log[-3000:]
-        # a collective gave up at its 10 s timeout (measured by the rank itself; load may add the time
-        # the rank waited for a CPU, not a wait for the dead link); peers may fail sooner, reset by it
-        assert any(9.5 <= x < 10 + 60 for x in after), after
-        cl.link_up("node1")
-        buf = io.StringIO()
-        res = cl.launch([sys.executable, WORKER, "--out", str(cut), *common, "--resume"], timeout=600,
-                        port=_port(), out=buf)
-        assert res.exit_code == 0, buf.getvalue()[-3000:]
-        assert "resumed from step 4" in buf.getvalue()
+    soak = _soak_jobs()
+    for key, value in soak.job_env().items():
+        monkeypatch.setenv(key, value)
+    for key in soak.DROP_ENV:
+        monkeypatch.delenv(key, raising=False)
+    job = soak.Job("grouped", "hierarchical", [soak.Fault("link-cut", 4, "node3")], steps=7)
+    with EmulatedCluster(load_topology_file(str(soak.TOPOLOGY))) as cl:
+        rec = soak.run_job(cl, job, tmp_path, timeout_s=10, deadline=time.monotonic() + 1200)
+        ref = soak.run_reference(cl, job, rec["restarts_from"], tmp_path, timeout_s=10,
+                                 deadline=time.monotonic() + 500)
     _our_namespaces_gone(cl)
-    a, b = torch.load(ref / "final.pt"), torch.load(cut / "final.pt")
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    log = (tmp_path / f"{job.name}.log").read_text()
+    # the job ends (exit 0): torchrun restarted it after each fault, each time from the last checkpoint
+    assert rec["exit_code"] == 0, (rec, log[-4000:])
+    (cut,) = rec["faults"]
+    assert cut["resumed_from"] == 3 and rec["restarts_from"] == [3], rec
+    # the hidden fault (the cable): every rank out within timeout_s + 30 s, with the CollectiveError naming
+    # operation, group, ranks and the timeout, not the launcher's time limit. gloo's own timeout ("failed after
+    # X s, timeout 10s") or the schedule's watch ("did not complete within fallback.timeout_s = 10s") names it
+    # first: a race. A collective gave up at its 10 s timeout, as the rank measured it (load may add the time the
+    # rank waited for a CPU); peers may fail sooner, reset by it.
+    assert cut["all_out_s"] is not None and cut["all_out_s"] <= 10 + 30, cut
+    after = [float(a or b) for a, b in re.findall(
+        r"CollectiveError: topo_align: (?:all_reduce|reduce_scatter|all_gather)\S* on the "
+        r"(?:inter|intra|data-parallel) group \(global ranks [0-9, ]+\) (?:failed after ([0-9.]+)s, "
+        r"timeout 10s|did not complete within fallback\.timeout_s = 10s \(([0-9.]+)s since it was issued)", log)]
+    assert any(9.5 <= x < 10 + 60 for x in after), (after, log[-3000:])
+    # bitwise resume: the final parameters equal those of the job without faults, stopped after step 4
+    # and resumed from the checkpoint of step 3, as the faulted job was
+    assert ref["ok"] and ref["stops_after"] == [4], ref
+    assert soak.bitwise_equal(soak.final_params(job, tmp_path / job.name), soak.final_params(job, ref["out"]))
 
 
 @pytest.mark.timeout(900)

@@ -5,6 +5,8 @@
         proc = cl.popen("node1", ["python", "train.py"], env=...)
         cl.set_link("node1", rate_mbit=20)      # a slow link, mid-run
         cl.link_down("node1"); cl.link_up("node1")
+        cl.kill_rank(3)                         # SIGKILL rank 3's process
+        cl.spine_down("leaf1"); cl.spine_up("leaf1")   # partition a leaf (multi-leaf presets)
         print(cl.counters().minus(before).cross_node_bytes)
 
 Building it (phases):
@@ -41,12 +43,13 @@ from .netns import (
     EmulationUnavailable,
     add_namespace,
     delete_namespace,
+    namespace_pids,
     ns_exec_argv,
     run_ip,
     unavailable_reason,
     write_etc_file,
 )
-from .procs import kill_groups
+from .procs import kill_groups, ranked_pids
 from .shaping import LinkShape, apply_shape, change_shape, netem_available
 
 __all__ = ["EmulatedCluster"]
@@ -251,9 +254,7 @@ class EmulatedCluster:
 
     def set_spine(self, leaf: str, *, rate_mbit: float | None = None, delay_ms: float | None = None) -> LinkShape:
         """Change the link between ``leaf`` and the spine, both directions (as :meth:`set_link`)."""
-        sp = next((s for s in self.layout.spines if s.leaf == leaf), None)
-        if sp is None:
-            raise KeyError(f"no spine link for leaf {leaf!r}; spine links: {[s.leaf for s in self.layout.spines]}")
+        sp = self._spine(leaf)
         return self._change(f"{leaf}:spine", self.layout.switch_ns, sp.leaf_port, sp.spine_port, sp.shape,
                             rate_mbit, delay_ms)
 
@@ -285,6 +286,40 @@ class EmulatedCluster:
     def link_up(self, node: str | int) -> None:
         self._require_open()
         run_ip(["link", "set", self.node(node).switch_port, "up"], ns=self.layout.switch_ns)
+
+    def spine_down(self, leaf: str) -> None:
+        """Partition ``leaf``: its link to the spine goes down. Its nodes still reach each other
+        through the leaf's bridge; nothing crosses to or from the other leaves until :meth:`spine_up`."""
+        self._require_open()
+        run_ip(["link", "set", self._spine(leaf).spine_port, "down"], ns=self.layout.switch_ns)
+
+    def spine_up(self, leaf: str) -> None:
+        self._require_open()
+        run_ip(["link", "set", self._spine(leaf).spine_port, "up"], ns=self.layout.switch_ns)
+
+    def _spine(self, leaf: str):
+        sp = next((s for s in self.layout.spines if s.leaf == leaf), None)
+        if sp is None:
+            raise KeyError(f"no spine link for leaf {leaf!r}; spine links: {[s.leaf for s in self.layout.spines]}")
+        return sp
+
+    def rank_pids(self, rank: int) -> list[int]:
+        """The live processes of global rank ``rank`` (per-rank processes and torchrun's workers:
+        ``RANK=<rank>`` in their environment, inside the rank's node), without their own children."""
+        self._require_open()
+        spec = self.node(self.topology.ranks[rank].host)
+        return ranked_pids(namespace_pids(spec.ns), rank)
+
+    def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` (default SIGKILL: the process dies without a word) to rank ``rank``'s
+        processes; returns their pids (empty when the rank is not running)."""
+        pids = self.rank_pids(rank)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
 
     def _require_open(self) -> None:
         if not self._open:

@@ -12,7 +12,7 @@ import subprocess
 import time
 from typing import Sequence
 
-__all__ = ["kill_groups"]
+__all__ = ["kill_groups", "ranked_pids"]
 
 
 def kill_groups(procs: Sequence[subprocess.Popen], grace_s: float = 3.0) -> None:
@@ -44,3 +44,26 @@ def _group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def ranked_pids(pids: Sequence[int], rank: int) -> list[int]:
+    """Those of ``pids`` that run global rank ``rank`` (``RANK=<rank>`` in their environment) and
+    whose parent does not: the rank's own process, not the helpers it started."""
+    want = f"RANK={rank}".encode()
+
+    def has(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                return want in fh.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            return False
+
+    def parent(pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+                return int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    mine = {p for p in pids if has(p)}
+    return sorted(p for p in mine if parent(p) not in mine)

@@ -25,7 +25,8 @@ from .data import DEFAULT_MAX_BYTES, DataError, GlobalBatches, build_gpt_dataset
 from .model import PRESETS, PresetError
 
 __all__ = ["UsageError", "ArgumentParser", "add_common_args", "parse_set", "topo_block", "init_distributed",
-           "lr_at", "RunPaths", "run_paths", "virtual_hostname", "fail", "quiet_known_warnings"]
+           "lr_at", "RunPaths", "run_paths", "virtual_hostname", "fail", "quiet_known_warnings", "EXIT_COLLECTIVE",
+           "run_main", "attempt_store"]
 
 
 def quiet_known_warnings() -> None:
@@ -215,6 +216,25 @@ def virtual_hostname(rank: int, world_size: int, nodes: int) -> str:
     return f"node{rank * nodes // world_size}"
 
 
+def attempt_store(timeout: datetime.timedelta):
+    """Under torchrun (``TORCHELASTIC_RESTART_COUNT`` set): the rendezvous store with a key prefix
+    of this attempt (``topo_align/attempt_<n>``), else None.
+
+    After a failed attempt torchrun restarts the workers on the same store (its static rendezvous
+    keeps one store; ``env://`` makes a new client of the same server), and gloo's connectFullMesh
+    can read the peer addresses the previous attempt left there: ``Connection refused`` on every
+    further attempt (docs/reliability.md, "Restart recipe"). Each attempt's own prefix keeps them
+    apart; every node counts the same attempts when every failure restarts every node's workers."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=(not agent and rank == 0), timeout=timeout)
+    return dist.PrefixStore(f"topo_align/attempt_{attempt}", base)
+
+
 def init_distributed(args: argparse.Namespace, *, init_fn=None) -> tuple[int, int, str]:
     """Start the default process group from torchrun's/Slurm's environment; returns (rank, world, backend).
 
@@ -239,9 +259,13 @@ def init_distributed(args: argparse.Namespace, *, init_fn=None) -> tuple[int, in
                               MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = attempt_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         if init_fn is not None:
-            init_fn(backend, timeout)
-        else:
+            init_fn(backend, timeout)  # DeepSpeed's init_distributed adopts a group already made
+        elif store is None:
             dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.virtual_nodes:
@@ -294,9 +318,19 @@ def run_paths(args: argparse.Namespace, framework: str, block: dict | None) -> R
 USER_ERRORS = (UsageError, ConfigError, DataError, PresetError)
 
 
+EXIT_COLLECTIVE = 3
+"""The exit status of a rank whose collective failed or timed out (``CollectiveError``)."""
+
+
 def run_main(args: argparse.Namespace, check, run) -> int:
     """Shared ``main`` of the entry points: ``--check-args`` validates only; a run always leaves
-    the process group torn down (barrier first, so no rank exits while a peer still sends)."""
+    the process group torn down (barrier first, so no rank exits while a peer still sends), except
+    after a ``CollectiveError``: the rank prints it in one line and exits with ``EXIT_COLLECTIVE`` at
+    once, without a teardown that would wait on the dead peer or link (docs/reliability.md, "What
+    the job does on a CollectiveError"), so ``torchrun --max-restarts`` restarts the job from its
+    last checkpoint (``--resume``)."""
+    from ..reducer.watch.errors import CollectiveError
+
     if args.check_args:
         try:
             check(args)
@@ -307,6 +341,10 @@ def run_main(args: argparse.Namespace, check, run) -> int:
         run(args)
     except USER_ERRORS as exc:
         fail(str(exc))
+    except CollectiveError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_COLLECTIVE)
     finally:
         if dist.is_initialized():
             try:
