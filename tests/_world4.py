@@ -24,8 +24,7 @@ import torch
 from topo_integrations.reducer.watch.completion import DEFERRED_ENV
 
 # (module, rank function, environment for the part, seconds it may take on the loaded 2-core machine).
-# Order matters: reliability runs first, in ranks with no other part's threads yet (its probe
-# timeout expects gloo's own timeout, due at the same second as the schedule's watch, to win), and
+# Order matters: reliability runs first, in ranks with no other part's threads yet, and
 # discovery_world runs last: its rank 3 skips one bounded arrival check, which leaves its discovery
 # counter in the job's store one behind everyone else's.
 PARTS = [
@@ -49,11 +48,15 @@ _done: dict[str, object] = {}
 
 
 def _main(rank: int, world: int, parts: list) -> list:
+    import time
+
     import torch.distributed as dist
+
+    from topo_integrations.testing import released_groups
 
     env, lg = dict(os.environ), logging.getLogger("topo_align")
     level, handlers = lg.level, list(lg.handlers)
-    out = []
+    out, seconds = [], {}
     for module, fn, part_env, _ in parts:
         os.environ.clear()
         os.environ.update({**env, **part_env})
@@ -61,12 +64,16 @@ def _main(rank: int, world: int, parts: list) -> list:
         lg.handlers[:] = handlers
         torch.manual_seed(_TORCH_DEFAULT_SEED)
         dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
-            out.append(getattr(importlib.import_module(module), fn)(rank, world))
+            # A part's groups go away with it: idle gloo groups cost CPU (testing.released_groups).
+            with released_groups():
+                out.append(getattr(importlib.import_module(module), fn)(rank, world))
         except BaseException as exc:
             raise RuntimeError(f"shared world part {module}.{fn} failed on rank {rank}: "
                                f"{type(exc).__name__}: {exc}") from exc
-    return out
+        seconds[module] = (round(time.perf_counter() - t0, 1), round(time.process_time() - c0, 1))
+    return out + [seconds]
 
 
 def results(request, module: str) -> list:
@@ -87,6 +94,8 @@ def results(request, module: str) -> list:
         else:
             for i, p in enumerate(parts):
                 _done[p[0]] = [r[i] for r in res]
+            # where the world's time went (wall, rank 0's CPU seconds per part): `pytest -s` shows it
+            print("shared 4-rank world, seconds per part (wall, rank-0 CPU):", res[0][-1])
     got = _done[module]
     if isinstance(got, Exception):
         raise got

@@ -4,7 +4,7 @@ Every ``import`` and ``from ... import`` in every module counts, at module level
 (a lazy import is still a dependency). A part may import only the parts below it:
 
     config <- topology <- reducer <- torch | deepspeed | megatron <- train <- bench <- cli
-                                      torch <- fsdp
+                                      torch <- fsdp <- bench (FSDP2 peers)
                                       torch, fsdp, deepspeed <- hf (Accelerate, Trainer)
                        \\- sim, emulate (topology only; reducer asks sim for `method: auto`)
                        doctor, plot (topology)     diagnostics (reducer, doctor, emulate)
@@ -56,7 +56,8 @@ ALLOWED: dict[str, set[str]] = {
     "fsdp": {"config", "topology", "reducer", "torch"},  # FSDP2: the plain-PyTorch adapter's groups and view
     "hf": {"config", "torch", "fsdp", "deepspeed"},  # Accelerate/Trainer: picks the adapter of each path
     "train": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "testing"},
-    "bench": {"", "config", "topology", "reducer", "torch", "deepspeed", "megatron", "train", "emulate", "testing"},
+    "bench": {"", "config", "topology", "reducer", "torch", "fsdp", "deepspeed", "megatron", "train", "emulate",
+              "testing"},
     "cli": {"", "config", "topology", "doctor", "plot", "diagnostics", "sim", "emulate", "bench"},
 }
 

@@ -509,6 +509,20 @@ def test_powersgd_bf16_hierarchical_and_auto_peers():
 
 
 @pytest.mark.timeout(10)
+def test_fsdp2_peers_price_like_their_reduction():
+    from topo_integrations.bench.systems import TOPO_MODES, is_local
+
+    hier = theory_bytes("topo-hier", L2X2, P, {"steps": 1})
+    # native HSDP and topo-align hierarchical under FSDP2: the shard crosses on the hierarchical pattern
+    assert theory_bytes("fsdp2-hsdp", L2X2, P, {"steps": 1}) == hier
+    assert theory_bytes("fsdp2-topo-hier", L2X2, P, {"steps": 1}) == hier
+    info = {"steps": 8, "sync_fraction": 1.0, "sync_dtype": "int8"}
+    assert theory_bytes("fsdp2-topo-selective", L2X2, P, info) == theory_bytes("topo-selective", L2X2, P, info)
+    assert TOPO_MODES["fsdp2-topo-selective"] == "selective" and is_local("fsdp2-topo-selective")
+    assert not is_local("fsdp2-hsdp") and not SYSTEMS["fsdp2-hsdp"].default
+
+
+@pytest.mark.timeout(10)
 def test_post_local_sgd_period_variants():
     from topo_integrations.bench.systems import averaging_period, is_local, resolve
 
@@ -641,7 +655,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     md = out / "benchmarks.md"
     proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--quick",
-                             "--systems", "ddp,topo-hier,ddp-powersgd-r4", "--out-dir", str(out),
+                             "--systems", "ddp,fsdp2-topo-hier,ddp-powersgd-r4,fsdp2-hsdp", "--out-dir", str(out),
                              "--markdown", str(md), "--img-dir", str(out / "img")],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=170)
@@ -655,7 +669,7 @@ def quick_run(tmp_path_factory):
 @pytest.mark.timeout(180)
 def test_quick_bench_runs_both_systems(quick_run):
     assert quick_run["rc"] == 0, quick_run["stderr"][-2000:]
-    assert [e["status"] for e in quick_run["results"]["systems"]] == ["ok", "ok", "ok"]
+    assert [e["status"] for e in quick_run["results"]["systems"]] == ["ok"] * 4
     assert quick_run["left"] == []
 
 
@@ -665,23 +679,29 @@ def test_quick_bench_bytes_match_theory(quick_run):
     by = {e["key"]: e for e in quick_run["results"]["systems"]}
     # PowerSGD (issue 38): one DDP bucket, so gloo matches its chained all-reduces; plain for 2 steps, then factors
     assert by["ddp-powersgd-r4"]["result"]["info"]["powersgd_start"] == 2
-    for key in ("ddp", "topo-hier", "ddp-powersgd-r4"):
+    for key in ("ddp", "fsdp2-topo-hier", "ddp-powersgd-r4", "fsdp2-hsdp"):
         m = by[key]["measured"]["cross_node_bytes_per_step"]
         th = by[key]["theory"]["cross_node_bytes_per_step"]
         assert th > 0 and abs(m / th - 1) <= 0.10, (key, m, th)
-    # hierarchical moves 2/3 of the flat ring's cross-node bytes on 2 x 2 (2S vs 3S)
-    assert by["topo-hier"]["theory"]["cross_node_bytes_per_step"] == pytest.approx(
-        by["ddp"]["theory"]["cross_node_bytes_per_step"] * 2 / 3)
-    assert by["topo-hier"]["measured"]["intra_node_bytes"] > 0
+    # hierarchical (here under FSDP2: the shard's cross-node step is the engine's) moves 2/3 of the
+    # flat ring's cross-node bytes on 2 x 2 (2S vs 3S), as native HSDP does
+    for key in ("fsdp2-topo-hier", "fsdp2-hsdp"):
+        assert by[key]["theory"]["cross_node_bytes_per_step"] == pytest.approx(
+            by["ddp"]["theory"]["cross_node_bytes_per_step"] * 2 / 3)
+        assert by[key]["measured"]["intra_node_bytes"] > 0
 
 
 @pytest.mark.emulated
 @pytest.mark.timeout(180)
 def test_quick_bench_hierarchical_trains_like_ddp(quick_run):
     by = {e["key"]: e for e in quick_run["results"]["systems"]}
-    a, b = by["ddp"]["result"]["losses"], by["topo-hier"]["result"]["losses"]
-    assert len(a) == len(b) == 6
-    assert a == pytest.approx(b, rel=1e-4)
+    a = by["ddp"]["result"]["losses"]
+    for key in ("fsdp2-topo-hier", "fsdp2-hsdp"):  # topo-align under FSDP2, and native HSDP
+        b = by[key]["result"]["losses"]
+        assert len(a) == len(b) == 6
+        assert a == pytest.approx(b, rel=1e-4), key
+    assert by["fsdp2-topo-hier"]["result"]["info"]["mode"] == "hierarchical"
+    assert by["fsdp2-hsdp"]["result"]["info"]["fsdp2"] == "hsdp"
 
 
 @pytest.mark.emulated
@@ -689,7 +709,7 @@ def test_quick_bench_hierarchical_trains_like_ddp(quick_run):
 def test_quick_bench_writes_report(quick_run):
     text = quick_run["md"].read_text()
     assert "<!-- bench:2x2-quick:begin -->" in text and "| PyTorch DDP |" in text
-    assert "Command: `topo-align bench --quick --systems ddp,topo-hier" in text
+    assert "Command: `topo-align bench --quick --systems ddp,fsdp2-topo-hier" in text
     for png in ("bench-2x2-quick-loss-vs-time.png", "bench-2x2-quick-bytes-per-tier.png"):
         assert (quick_run["out"] / "img" / png).stat().st_size > 1000
 

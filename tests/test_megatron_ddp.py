@@ -271,7 +271,17 @@ class _Spy:
             setattr(self.dist, op, self.saved[("dist", op)])
 
 
-def _engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None, overlap=True):
+def _engine_run(rank, spec, cfg, **kw):
+    """`_one_engine_run`, its groups destroyed after it (topo_integrations.testing.released_groups)."""
+    from megatron.core import parallel_state
+
+    from topo_integrations.testing import released_groups
+
+    with released_groups(keep_held_by=(parallel_state,)):
+        return _one_engine_run(rank, spec, cfg, **kw)
+
+
+def _one_engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None, overlap=True):
     """``steps`` optimizer steps with the invariants after each; ``at_step(step, ddp, opt)`` runs
     before a step; then a forced blocking reconciliation (everything equal afterwards). Every step
     also records when its gradient collectives were released (`ReleaseProbe`)."""
@@ -530,19 +540,33 @@ def _rank_main(rank, world, tmpdir):
     from topo_integrations.megatron import cpu_compat
 
     assert cpu_compat.apply()
+    from megatron.core import parallel_state
+
     from topo_integrations.config import TopoAlignConfig
     from topo_integrations.megatron.testing import TinyGPT
+    from topo_integrations.testing import released_groups
 
     spec = TinyGPT()
-    timings = {}
-    t0 = time.time()
+    res, timings = {}, {}
+
+    def section(name, fn, *args, **kw):
+        # Each section's engines and their groups go away with it (megatron-core keeps its current
+        # parallel state's groups): idle gloo groups cost CPU (topo_integrations.testing.released_groups).
+        from torch.distributed import distributed_c10d as c10d
+        n0 = len(c10d._world.pg_map)
+        t0 = time.time()
+        with released_groups(keep_held_by=(parallel_state,), older_too=True):
+            res[name] = fn(*args, **kw)
+            n1 = len(c10d._world.pg_map)
+        timings[name] = (round(time.time() - t0, 1), n0, n1)
+
     hier = TopoAlignConfig.model_validate({"mode": "hierarchical"})
     sel_all = TopoAlignConfig.model_validate({"mode": "selective", "sync": {"top_fraction": 1.0, "dtype": "fp32"}})
     sel_none = TopoAlignConfig.model_validate({"mode": "selective", "sync": {"last_n_layers": 0, "always_sync": [],
                                                                              "top_fraction": 0.0}})
     expert_spec = TinyGPT(expert_like=("layers.0.mlp",))
     # Ordered so that megatron-core's parallel state is rebuilt as rarely as possible.
-    res = {"grads": _grad_checks(rank, hier, {
+    section("grads", _grad_checks, rank, hier, {
         "plain_sync": (spec, False, False, None),
         "plain_overlap": (spec, False, True, None),
         "distopt_sync": (spec, True, False, None),
@@ -553,39 +577,24 @@ def _rank_main(rank, world, tmpdir):
         # expert buffers over the whole data-parallel group (parameters marked allreduce=False)
         "expert_like_plain": (expert_spec, False, True, None),
         "expert_like_distopt": (expert_spec, True, True, None),
-    })}
-    timings["grads"] = time.time() - t0
-    t0 = time.time()
+    })
     sel = TopoAlignConfig.model_validate({
         "mode": "selective", "sync": {"last_n_layers": 1, "top_fraction": 0.15},
         "local": {"reconcile_interval": 4, "async_reconcile": False}, "importance": {"refresh_interval": 8}})
-    res["selective_distopt"] = _selective_run(rank, expert_spec, sel, dist_opt=True)
-    timings["selective_distopt"] = time.time() - t0
-    t0 = time.time()
+    section("selective_distopt", _selective_run, rank, expert_spec, sel, dist_opt=True)
     moe_spec = TinyGPT(extra={"num_moe_experts": 2, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
                               "add_bias_linear": False, "expert_model_parallel_size": 2})
-    res["moe"] = _grad_checks(rank, hier, {"moe_distopt": (moe_spec, True, True, None)}, ep=2)
-    timings["moe"] = time.time() - t0
-    t0 = time.time()
-    res["engine"] = _engine_checks(rank, spec)
-    timings["engine"] = time.time() - t0
-    t0 = time.time()
-    res["selective_plain"] = _selective_run(rank, spec, sel, dist_opt=False)
-    timings["selective_plain"] = time.time() - t0
-    t0 = time.time()
-    res["checkpoint"] = _checkpoint_run(rank, spec, sel)
-    res["checkpoint_async"] = _checkpoint_run(rank, spec, sel.with_overrides({"local.async_reconcile": True}))
+    section("moe", _grad_checks, rank, hier, {"moe_distopt": (moe_spec, True, True, None)}, ep=2)
+    section("engine", _engine_checks, rank, spec)
+    section("selective_plain", _selective_run, rank, spec, sel, dist_opt=False)
+    section("checkpoint", _checkpoint_run, rank, spec, sel)
+    section("checkpoint_async", _checkpoint_run, rank, spec, sel.with_overrides({"local.async_reconcile": True}))
     import torch
 
-    res["skip"] = _skip_run(rank, TinyGPT(extra={"bf16": True, "params_dtype": torch.bfloat16}), sel)
-    timings["checkpoint_skip"] = time.time() - t0
-    t0 = time.time()
-    t0 = time.time()
-    res["auto_many_islands"] = {d: _auto_many_islands(rank, spec, dist_opt=d) for d in (False, True)}
-    timings["auto_many_islands"] = time.time() - t0
-    res["errors"] = _errors(rank, spec)
-    res["fallbacks"] = _fallbacks(rank, spec, tmpdir)
-    timings["errors_fallbacks"] = time.time() - t0
+    section("skip", _skip_run, rank, TinyGPT(extra={"bf16": True, "params_dtype": torch.bfloat16}), sel)
+    section("auto_many_islands", lambda: {d: _auto_many_islands(rank, spec, dist_opt=d) for d in (False, True)})
+    section("errors", _errors, rank, spec)
+    section("fallbacks", _fallbacks, rank, spec, tmpdir)
     res["timings"] = timings
     return res
 

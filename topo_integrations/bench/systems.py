@@ -129,11 +129,13 @@ def theory_bytes(key: str, layout: Layout, params: int, info: dict) -> dict[str,
         # Instances = nodes: reduce-scatter inside the instance, all-reduce of the shard across
         # instances, parameter all-gather inside the instance: the hierarchical pattern by node.
         return hierarchical(Layout(layout.hosts, layout.leaves, _node_groups(layout)), S)  # 2 levels
-    if key in ("topo-hier", "ds-topo-hier"):
+    if key in ("topo-hier", "ds-topo-hier", "fsdp2-hsdp", "fsdp2-topo-hier"):
+        # FSDP2 HSDP: reduce-scatter and parameter all-gathers inside the island, the fp32 shard
+        # all-reduced across islands: the slow-tier bytes of the hierarchical all-reduce.
         return hierarchical(layout, S)
     if key == "topo-hier-bf16":  # the slow-tier bytes of FSDP2 HSDP with bf16 reduction
         return hierarchical(layout, S, S / 2)
-    if key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1", "topo-auto"):
+    if key in ("topo-selective", "ds-topo-selective", "ds-topo-selective-z1", "topo-auto", "fsdp2-topo-selective"):
         if layout.groups is None:  # the plan is flat: selective falls back to one all-reduce
             return flat_ring(layout, S)
         parts = selective_parts(layout, params, info)
@@ -243,6 +245,7 @@ TOPO_MODES: dict[str, str] = {
     "topo-flat": "flat", "topo-hier": "hierarchical", "topo-selective": "selective",
     "ds-topo-hier": "hierarchical", "ds-topo-selective": "selective", "ds-topo-selective-z1": "selective",
     "topo-hier-bf16": "hierarchical", "topo-auto": "selective",
+    "fsdp2-topo-hier": "hierarchical", "fsdp2-topo-selective": "selective",
 }
 """The ``topo_align.mode`` each topo-align system runs (trainers.build)."""
 TOPO_KEYS: dict[str, dict] = {"topo-hier-bf16": {"communication": {"inter_dtype": "bf16"}},
@@ -386,6 +389,15 @@ SYSTEMS: dict[str, System] = {s.key: s for s in [
            ("topo_integrations.torch:GroupedReducer",),
            "method auto: the engine times 4 steps and chooses the method (docs/costmodel.md, section 6)",
            default=False),
+    System("fsdp2-hsdp", "PyTorch FSDP2 HSDP (stock), shard = node", "torch",
+           ("torch.distributed.fsdp:fully_shard",),
+           "fully_shard on a 2-D mesh (replicate = nodes, shard = a node's ranks); fp32 reduction", default=False),
+    System("fsdp2-topo-hier", "topo-align hierarchical under FSDP2", "topo-align",
+           ("torch.distributed.fsdp:fully_shard", "topo_integrations.fsdp:apply"),
+           "fully_shard inside the node, the cross-node all-reduce of each shard by the engine", default=False),
+    System("fsdp2-topo-selective", "topo-align selective under FSDP2", "topo-align",
+           ("torch.distributed.fsdp:fully_shard", "topo_integrations.fsdp:apply"),
+           "fully_shard inside the node, the shards on the engine's selective wire", default=False),
     System("ds-topo-hier", "topo-align hierarchical in DeepSpeed ZeRO-0", "topo-align",
            ("deepspeed", "topo_integrations.deepspeed:initialize")),
     System("ds-topo-selective", "topo-align selective in DeepSpeed ZeRO-0", "topo-align",
@@ -410,7 +422,8 @@ TORCHFT_SYSTEMS = ("torchft-diloco", "torchft-localsgd")
 """torchft's DiLoCo and LocalSGD (pip extra ``torchft``): one replica group per topology group,
 DDP inside it, torchft's Manager and outer loop across groups every H steps (trainers._TorchFT)."""
 
-LOCAL_METHODS = ("post-local-sgd", "topo-selective", "ds-topo-selective", "ds-topo-selective-z1", "topo-auto")
+LOCAL_METHODS = ("post-local-sgd", "topo-selective", "ds-topo-selective", "ds-topo-selective-z1", "topo-auto",
+                 "fsdp2-topo-selective")
 """Systems whose replicas differ between groups between averagings (post-local SGD and its
 ``-hN`` variants, selective): validation along the run evaluates the mean of the replicas."""
 
