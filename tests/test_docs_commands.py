@@ -15,7 +15,9 @@ must exit 0 (or the status a ``# exits N`` comment on it names). Kept fast:
   collected together, in one interpreter: every file of every command in it, so each command's files
   and options are checked as before, while the pytest start-up and the shared imports (torch,
   DeepSpeed, megatron-core) are paid once instead of once per command;
-* SMALL_ARGS below shrinks the few others.
+* SMALL_ARGS below shrinks the few others;
+* the commands of two pages run at the same time (``LANES``, in the ``lanes`` fixture), each page's
+  in its order.
 
 A comment ``# not run by the docs test: REASON`` skips the rest of its block (as a line of its own)
 or its command (at the end of the command); ``# needs root`` runs the commands only where network
@@ -285,10 +287,59 @@ def _run(run: str, scratch: Path, timeout: float) -> subprocess.CompletedProcess
                           timeout=timeout)
 
 
+LANES = 2
+"""Pages whose commands run at the same time. Most commands are one interpreter start and a little
+work on one core; two pages at once keep both cores of the machine busy. A page's own commands keep
+their order (a command may read what an earlier one on its page wrote)."""
+
+
+def _own_subprocess(c: Command) -> str | None:
+    """What ``c`` runs in a subprocess of its own (its runnable text), or None: skipped, checked in
+    this process (training flags) or collected with its pytest batch."""
+    if c.skip or c.flags_of or (c.root and _root_reason()):
+        return None
+    run = runnable(c)
+    want = int(m.group(1)) if (m := EXIT_RE.search(c.text)) else 0
+    batch = pytest_batch(run)
+    if batch is not None and batch[0] in BATCHES and want == 0:
+        return None
+    return run
+
+
+@pytest.fixture(scope="module")
+def lanes(request, scratch):
+    """Started once: every selected command that runs in a subprocess of its own, page by page in
+    ``LANES`` lanes; each test then waits for its own command's result."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    selected = {item.callspec.params["cmd"].id for item in request.session.items
+                if getattr(item, "originalname", None) == "test_documented_command_runs"}
+    pages: dict[str, list] = {}
+    futures: dict[str, Future] = {}
+    for c in COMMANDS:
+        run = _own_subprocess(c) if c.id in selected else None
+        if run is not None:
+            futures[c.id] = Future()
+            pages.setdefault(c.page, []).append((run, futures[c.id]))
+
+    def page(cmds):
+        for run, fut in cmds:
+            try:
+                fut.set_result(_run(run, scratch, timeout=280))
+            except BaseException as exc:  # noqa: BLE001 - the command's test raises it
+                fut.set_exception(exc)
+
+    pool = ThreadPoolExecutor(LANES, thread_name_prefix="docs-lane")
+    for cmds in pages.values():
+        pool.submit(page, cmds)
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # the first command of a pytest batch collects the whole batch
 @pytest.mark.parametrize("cmd", _params())
-def test_documented_command_runs(cmd: Command, scratch: Path):
+def test_documented_command_runs(cmd: Command, scratch: Path, lanes):
     if cmd.skip:
         pytest.skip(f"{cmd.id}: {cmd.skip}")
     if cmd.root:
@@ -310,7 +361,7 @@ def test_documented_command_runs(cmd: Command, scratch: Path):
             f"{cmd.id}: the batched collection lists none of the tests of some of {batch[1]}\n$ {run}\n"
             f"--- stdout (tail)\n{proc.stdout[-2000:]}")
     else:
-        proc = _run(run, scratch, timeout=280)
+        proc = lanes[cmd.id].result() if cmd.id in lanes else _run(run, scratch, timeout=280)
     assert proc.returncode == want, (
         f"{cmd.id}: the documented command exited {proc.returncode} (expected {want})\n$ {run}\n"
         f"--- stdout (tail)\n{proc.stdout[-2000:]}\n--- stderr (tail)\n{proc.stderr[-3000:]}")

@@ -23,30 +23,22 @@ UNEQUAL = ["a"] * 4 + ["b"] * 2 + ["c"] * 2
 
 
 def _rank_main(rank, world):
-    from topo_integrations.reducer import build_groups, discover_plan
-    from topo_integrations.torch import GroupedReducer
+    from topo_integrations.reducer import discover_plan
+    from topo_integrations.testing import released_groups
 
     res = {}
     cfg = cfg_of()
     for name, per_node in (("g2", 2), ("g4", 4)):
-        os.environ[HOSTNAME_ENV] = f"node{rank // per_node}"
-        g = build_groups(discover_plan(cfg), timeout_s=60)
-        res[name] = collective_checks(g, 3 + per_node, ef_steps=50 if per_node == 4 else 0)
-        # selective, blocking reconciliation every 3 steps, invariant 1 checked on every step
-        model = make(11)
-        red = GroupedReducer(model, cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1,
-                                           local__reconcile_interval=3, local__async_reconcile=False),
-                             groups=g)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        train(model, red, opt, rank, 0, 9, verify=True)
-        res[name]["sel_all_same_after_reconcile"] = same_on(list(range(world)), flat_params(model))
-        res[name]["sel_inter_bytes"] = red.stats()["total"]["bytes"]["inter"]
-        red.close()
-        dist.barrier()
-    res["g1"] = _selective_islands_of_one(rank, world)
-    res["leaf3"] = _three_level(rank, world)
-    res["islands8"] = _eight_islands(rank, world)
-    res["auto"] = _auto_sync(rank, world)
+        with released_groups():  # idle gloo groups cost CPU: each layout's go away with it
+            res[name] = _layout(rank, world, cfg, per_node)
+    with released_groups():
+        res["g1"] = _selective_islands_of_one(rank, world)
+    with released_groups():
+        res["leaf3"] = _three_level(rank, world)
+    with released_groups():
+        res["islands8"] = _eight_islands(rank, world)
+    with released_groups():
+        res["auto"] = _auto_sync(rank, world)
     os.environ[HOSTNAME_ENV] = UNEQUAL[rank]
     try:
         discover_plan(cfg)
@@ -54,6 +46,27 @@ def _rank_main(rank, world):
     except PlanError as exc:
         res["unequal"] = str(exc)
     return res
+
+
+def _layout(rank, world, cfg, per_node):
+    from topo_integrations.reducer import build_groups, discover_plan
+    from topo_integrations.torch import GroupedReducer
+
+    os.environ[HOSTNAME_ENV] = f"node{rank // per_node}"
+    g = build_groups(discover_plan(cfg), timeout_s=60)
+    out = collective_checks(g, 3 + per_node, ef_steps=50 if per_node == 4 else 0)
+    # selective, blocking reconciliation every 3 steps, invariant 1 checked on every step
+    model = make(11)
+    red = GroupedReducer(model, cfg_of(sync__last_n_layers=1, sync__top_fraction=0.1,
+                                       local__reconcile_interval=3, local__async_reconcile=False),
+                         groups=g)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, red, opt, rank, 0, 9, verify=True)
+    out["sel_all_same_after_reconcile"] = same_on(list(range(world)), flat_params(model))
+    out["sel_inter_bytes"] = red.stats()["total"]["bytes"]["inter"]
+    red.close()
+    dist.barrier()
+    return out
 
 
 def _auto_sync(rank, world):
