@@ -87,6 +87,26 @@ TASKS = {
 DILOCO_OUTER = {"local.outer_lr": 0.7, "local.outer_momentum": 0.9}
 
 
+def local_h_grid() -> list[tuple[str, str, dict]]:
+    """Issue 38 item 3: the LOCAL class `method: auto` picks on a slow link (sim/choose.py: bf16 SYNC
+    wire, top 15 % SYNC, H from the link) at H = 16 and 64, and what each DiLoCo piece buys on top
+    of it: the outer Nesterov step (the literature's lr 0.7 / momentum 0.9, and a milder lr 1 /
+    momentum 0.5), streaming fragments (4), and the int8 pseudo-gradient wire against fp32."""
+    from topo_integrations.sim.choose import LOCAL_SYNC_DTYPE, LOCAL_TOP_FRACTION
+
+    out = [("flat", "flat", {})]
+    for h in (16, 64):
+        base = {"sync.dtype": LOCAL_SYNC_DTYPE, "sync.top_fraction": LOCAL_TOP_FRACTION,
+                "local.reconcile_interval": h}
+        out += [(f"H {h}: average (int8 deltas)", "selective", dict(base)),
+                (f"H {h}: + outer lr 0.7, momentum 0.9", "selective", {**base, **DILOCO_OUTER}),
+                (f"H {h}: + outer lr 1, momentum 0.5", "selective",
+                 {**base, "local.outer_lr": 1.0, "local.outer_momentum": 0.5}),
+                (f"H {h}: + 4 streaming fragments", "selective", {**base, "local.stream_fragments": 4}),
+                (f"H {h}: fp32 reconciliation", "selective", {**base, "local.reconcile_dtype": "fp32"})]
+    return out
+
+
 def grid(kind: str) -> list[tuple[str, str, dict]]:
     """(run name, mode, config overrides) of a grid. `full`: one factor at a time around the defaults."""
     runs = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("selective-default", "selective", {})]
@@ -119,6 +139,8 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
         return [("outer lr 1.5", "selective", {**TWO_GROUP, "local.outer_lr": 1.5}),
                 ("outer lr 2", "selective", {**TWO_GROUP, "local.outer_lr": 2.0}),
                 ("reconcile_interval 1", "selective", {**TWO_GROUP, "local.reconcile_interval": 1})]
+    if kind == "local-h":  # issue 38 item 3: the LOCAL candidate of `method: auto` at long H, piece by piece
+        return local_h_grid()
     if kind == "islands-outer":  # issue 31: the outer optimizer alone (flat/default measured before)
         return [("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
@@ -684,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
                              "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
                              "moments16", "islands", "islands-outer", "default", "reconcile-ablation",
                              "many-islands", "many-islands-wide", "many-islands-all",
-                             "outer-probe"])
+                             "outer-probe", "local-h"])
     ap.add_argument("--layout", default="2x2", choices=sorted(LAYOUTS),
                     help="islands x ranks per island (virtual nodes): 2x2 on 4 ranks, 4x2 and 8x1 on 8")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
