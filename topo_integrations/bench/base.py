@@ -10,7 +10,7 @@ import torch
 
 from .systems import topo_block
 
-__all__ = ["lr_at_step", "Plain", "gpt", "adamw", "block", "reconcile_info", "version"]
+__all__ = ["lr_at_step", "Plain", "gpt", "adamw", "block", "engine_info", "reconcile_info", "version"]
 
 
 def lr_at_step(step: int, spec: dict) -> float:
@@ -88,6 +88,19 @@ def version(dist_name: str) -> str:
         return version(dist_name)
     except PackageNotFoundError:
         return "?"
+
+
+def engine_info(st: dict, cfg) -> dict:
+    """What the worker reports of a topo-align engine (GroupedReducer, the FSDP2 adapter): its mode,
+    SYNC share, reconciliation settings and counts, bytes; ``st`` its ``stats()``, ``cfg`` its config."""
+    from ..config import Mode
+
+    total = st["sync_elements"] + st["local_elements"]
+    return {"mode": st["mode"], "method": st.get("method"), "fallback_reason": st.get("fallback_reason"),
+            "sync_fraction": st["sync_elements"] / max(1, total), **reconcile_info(cfg),
+            "reconciles": (st["optimizer_steps"] // cfg.local.reconcile_interval
+                           if st["mode"] == Mode.SELECTIVE else 0),
+            "reducer_bytes_total": st["total"]["bytes"], "reducer_steps": st["steps"]}
 
 
 def reconcile_info(cfg) -> dict:

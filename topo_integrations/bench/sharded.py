@@ -10,8 +10,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from ..config import Mode
-from .base import Plain, adamw, block, reconcile_info
+from .base import Plain, adamw, block, engine_info, reconcile_info
 
 __all__ = ["FSDP2", "DeepSpeed", "Megatron"]
 
@@ -66,13 +65,7 @@ class FSDP2(Plain):
     def info(self) -> dict:
         if self.ta is None:
             return {"fsdp2": "hsdp"}
-        st = self.ta.stats()
-        total = st["sync_elements"] + st["local_elements"]
-        return {"fsdp2": "topo-align", "mode": st["mode"], "fallback_reason": st.get("fallback_reason"),
-                "sync_fraction": st["sync_elements"] / max(1, total), **reconcile_info(self.ta.engine.cfg),
-                "reconciles": (st["optimizer_steps"] // self.ta.engine.cfg.local.reconcile_interval
-                               if st["mode"] == Mode.SELECTIVE else 0),
-                "reducer_bytes_total": st["total"]["bytes"], "reducer_steps": st["steps"]}
+        return {"fsdp2": "topo-align", **engine_info(self.ta.stats(), self.ta.engine.cfg)}
 
 
 class DeepSpeed(Plain):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import Mode
-from .base import Plain, block, lr_at_step, reconcile_info, version
+from .base import Plain, block, engine_info, lr_at_step, version
 from .sharded import FSDP2, DeepSpeed, Megatron
 from .systems import LOCALSGD_PERIOD, TOPO_MODES, powersgd_payload, powersgd_rank, torchft_period
 
@@ -210,18 +209,7 @@ class _Reducer(Plain):
         self.reducer.reconcile(self.opt)
 
     def info(self) -> dict:
-        st = self.reducer.stats()
-        total = st["sync_elements"] + st["local_elements"]
-        return {
-            "mode": st["mode"], "method": st.get("method"),  # `method: auto`'s choice (topo-auto)
-            "fallback_reason": st.get("fallback_reason"),
-            "sync_fraction": st["sync_elements"] / max(1, total),
-            **reconcile_info(self.reducer.engine.cfg),
-            "reconciles": (st["optimizer_steps"] // self.reducer.engine.cfg.local.reconcile_interval
-                           if st["mode"] == Mode.SELECTIVE else 0),
-            "reducer_bytes_total": st["total"]["bytes"],
-            "reducer_steps": st["steps"],
-        }
+        return engine_info(self.reducer.stats(), self.reducer.engine.cfg)  # `method`: auto's choice (topo-auto)
 
 
 def build(spec: dict):
