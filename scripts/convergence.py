@@ -107,6 +107,28 @@ def local_h_grid() -> list[tuple[str, str, dict]]:
     return out
 
 
+LEAN = {"sync.dtype": "int8", "sync.top_fraction": 0.05, "sync.last_n_layers": 1, "local.promote_drift_fraction": 0.0}
+"""A LOCAL class that leaves most elements LOCAL on the 8-layer GPT: the last layer and the top 5 %
+SYNC on the int8 wire, no drift promotion (about the SYNC share of the last 5 of 96 layers)."""
+
+
+def local_lean_grid() -> list[tuple[str, str, dict]]:
+    """Issue 38 item 3, next: `local-h` found the candidate's SYNC class holding 83-86 % of the 8-layer
+    GPT's elements (its last 5 layers, the top 15 %, promotions), so it saved no bytes. Here the
+    candidate on the int8 SYNC wire, and a lean SYNC class (LEAN), alone and with the mild outer
+    step (lr 1, momentum 0.5) that cost nothing at H = 16, at H = 16 and 64."""
+    from topo_integrations.sim.choose import LOCAL_TOP_FRACTION
+
+    out = [("flat", "flat", {})]
+    for h in (16, 64):
+        out += [(f"H {h}: candidate on the int8 SYNC wire", "selective",
+                 {"sync.dtype": "int8", "sync.top_fraction": LOCAL_TOP_FRACTION, "local.reconcile_interval": h}),
+                (f"H {h}: lean SYNC class", "selective", {**LEAN, "local.reconcile_interval": h}),
+                (f"H {h}: lean + outer lr 1, momentum 0.5", "selective",
+                 {**LEAN, "local.reconcile_interval": h, "local.outer_lr": 1.0, "local.outer_momentum": 0.5})]
+    return out
+
+
 def grid(kind: str) -> list[tuple[str, str, dict]]:
     """(run name, mode, config overrides) of a grid. `full`: one factor at a time around the defaults."""
     runs = [("flat", "flat", {}), ("hierarchical", "hierarchical", {}), ("selective-default", "selective", {})]
@@ -141,6 +163,8 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
                 ("reconcile_interval 1", "selective", {**TWO_GROUP, "local.reconcile_interval": 1})]
     if kind == "local-h":  # issue 38 item 3: the LOCAL candidate of `method: auto` at long H, piece by piece
         return local_h_grid()
+    if kind == "local-lean":  # issue 38 item 3: a LOCAL class that leaves most elements LOCAL
+        return local_lean_grid()
     if kind == "islands-outer":  # issue 31: the outer optimizer alone (flat/default measured before)
         return [("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
@@ -706,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
                              "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
                              "moments16", "islands", "islands-outer", "default", "reconcile-ablation",
                              "many-islands", "many-islands-wide", "many-islands-all",
-                             "outer-probe", "local-h"])
+                             "outer-probe", "local-h", "local-lean"])
     ap.add_argument("--layout", default="2x2", choices=sorted(LAYOUTS),
                     help="islands x ranks per island (virtual nodes): 2x2 on 4 ranks, 4x2 and 8x1 on 8")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])

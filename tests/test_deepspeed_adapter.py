@@ -147,20 +147,19 @@ def test_refused_key_names_key_adapter_and_instead(stage, mode, sections, extra,
 
 
 @pytest.mark.timeout(30)
-def test_method_auto_is_refused_naming_the_key():
-    # issue 38: the method is chosen and switched at run time in GroupedReducer only
+def test_method_auto_is_refused_at_zero3_naming_why():
+    # issue 38: `auto` chooses among settings of mode `selective`, which ZeRO-3 cannot run
     with pytest.raises(UnsupportedConfigError) as exc:
-        _init(H.ds_config(0, topo={"enabled": True, "method": "auto", "topology": {"source": "hostnames"}}))
-    assert str(exc.value) == (
-        "topo_align.method = 'auto' is not supported by the DeepSpeed adapter (mode 'selective', ZeRO stage 0): the "
-        "method is switched at run time in GroupedReducer only; set the mode and its keys (`topo-align simulate` "
-        "prints what method auto would choose for a cluster) and remove the key")
+        _init(H.ds_config(3, topo={"enabled": True, "method": "auto", "topology": {"source": "hostnames"}}))
+    assert str(exc.value).endswith(
+        "use mode 'hierarchical' with ZeRO-3, or ZeRO stage 1 or 2 for 'selective' (method 'auto' chooses among "
+        "settings of mode 'selective': remove it at ZeRO-3)")
 
 
 @pytest.mark.timeout(30)
 def test_refuse_table_only_refuses_what_the_user_set():
     assert {r.key for r in KEY_REFUSALS} == {"communication.bucket_size_mb", "communication.overlap", "local.dtype",
-                                             "topology.middle_level", "method"}
+                                             "topology.middle_level"}
     # Defaults (bucket_size_mb auto, overlap true, local.dtype fp16) are never refused, nor an explicit
     # bucket `auto` (DeepSpeed owns the buckets; `auto` asks for nothing) ...
     block = {"enabled": True, "mode": "selective", "topology": {"source": "hostnames"}}

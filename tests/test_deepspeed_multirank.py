@@ -536,6 +536,41 @@ def _drift_and_hutchinson(rank):
     return res
 
 
+def _method_auto(rank):
+    """`method: auto` at ZeRO-0 and ZeRO-2 with DP position 0's verdict fixed (a LOCAL class with H 2 from
+    step 5, the exact method again from the re-choice before step 8): invariants every step, every
+    parameter equal right after the re-choice (leaving the LOCAL class reconciles first)."""
+    from _forced_choice import forced_method_choices
+
+    from topo_integrations.deepspeed import harness as H
+
+    block = {"enabled": True, "mode": "selective", "method": "auto", "topology": {"source": "hostnames"},
+             "adaptive": {"enabled": True, "check_interval": 1000},
+             "sync": {"last_n_layers": 1, "always_sync": ["head"]}, "local": {"promote_drift_fraction": 0.0}}
+    res = {}
+    with forced_method_choices(("local", 2), ("hierarchical", None)):
+        for stage in (0, 2):  # the engine's all-reduce seam; partitioned gradients (ZeRO-1's path too)
+            eng = _engine(H.Net(), H.ds_config(stage, clip=0.05, topo=block), "adamw")
+            recs, methods = [], []
+            check = H.selective_checker(recs)
+
+            def step_check(engine, step):
+                check(engine, step)
+                e = engine.topo_align.engine
+                methods.append((e.method.method, e.reconciler.interval, str(e.sync_dtype), e.sync_fraction() < 1))
+
+            H.train(eng, 8, check=step_check)
+            eng.topo_align.engine.method.rechoose(0.25, 1.0, 4.0)
+            rows = H.gather_rows(H.flat_params(eng))
+            equal_after = bool((rows == rows[0]).all())
+            H.train(eng, 2, start=8, check=step_check)
+            res[stage] = {"records": recs, "methods": methods, "equal_after_rechoice": equal_after,
+                          "events": [(x["step"], x["method"], x["reconcile_interval"])
+                                     for x in eng.topo_align.engine.method.events]}
+            _reset_ds_globals()
+    return res
+
+
 def _stage3_scoped(rank):
     """The ZeRO-3 dispatch is patched only while a topo_align optimizer's reduction runs: a stock
     ZeRO-3 engine of the same process, before and after a topo_align one, is untouched."""
@@ -576,6 +611,7 @@ def _rank_main(rank, world, tmpdir):
     _section(out, "adaptive", _adaptive, rank)
     _section(out, "drift_hutchinson", _drift_and_hutchinson, rank)
     _section(out, "stage3_scoped", _stage3_scoped, rank)
+    _section(out, "method_auto", _method_auto, rank)
     return out
 
 
@@ -844,3 +880,16 @@ def test_hutchinson_refresh_from_the_models_own_loss(world):
 def test_stage3_dispatch_is_scoped_to_its_optimizer(world):
     rec = _ok(world, "stage3_scoped")
     assert rec["restored"] and rec["stock_bitwise"] and rec["topo_rs_bytes"] > 0, rec
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("stage", (0, 2))
+def test_method_auto_switches_and_keeps_invariants(world, stage):
+    rec = _ok(world, "method_auto")[stage]
+    assert all(w["method_auto"][stage]["methods"] == rec["methods"] for w in world)  # every rank alike
+    assert rec["methods"] == ([(None, 2, "torch.int8", False)] * 4 + [("local", 2, "torch.bfloat16", True)] * 4
+                              + [("hierarchical", 2, "torch.float32", False)] * 2)
+    assert rec["events"] == [(5, "local", 2), (8, "hierarchical", None)]
+    _invariants(rec["records"], f"method auto ZeRO-{stage}")
+    assert rec["equal_after_rechoice"]
+    assert max(s["local_spread"] for s in rec["records"][4:8]) > 0  # positive control: LOCAL drifted

@@ -106,10 +106,9 @@ REFUSED: dict[tuple[str, str], tuple[str, ...]] = {
     # FSDP2 owns its buckets and when it reduces; LOCAL gradients ride its island reduce-scatter; with the
     # model sharded per island, turning the plugin off would leave the islands unreduced (fsdp/refusals.py)
     **{("FSDP2", k): (f"{k} = {NONDEFAULT[k][0]!r}", "FSDP2 adapter")
-       for k in ("enabled", "communication.bucket_size_mb", "communication.overlap", "local.dtype", "method")},
-    # `method: auto` switches the method at run time in GroupedReducer only (issue 38); at ZeRO-3, checked
-    # in `hierarchical`, the config refuses it first (auto chooses among settings of `selective`)
-    **{(a, "method"): ("method = 'auto'", "adapter") for a in ("ZeRO-0", "ZeRO-1", "ZeRO-2", *MEGATRON)},
+       for k in ("enabled", "communication.bucket_size_mb", "communication.overlap", "local.dtype")},
+    # `method: auto` chooses among settings of `selective`: at ZeRO-3, checked in `hierarchical`, the
+    # config refuses it first
     ("ZeRO-3", "method"): ("method = 'auto'", "mode 'selective'"),
     # ZeRO-3 refuses the mode the selective keys belong to (they are checked in `selective` there).
     **{("ZeRO-3", k): ("topo_align.mode = 'selective' with zero_optimization.stage = 3",)

@@ -324,7 +324,9 @@ def _one_engine_run(rank, spec, cfg, *, dist_opt, steps, spy=False, at_step=None
            "interval": e.reconciler.interval, "classes_version": e.class_version,
            "level": None if e.adaptive is None else e.adaptive.level,
            "hutchinson_refreshes": e.importance.hutchinson_seed, "stats": ddp.topo_stats()["totals"],
-           "moments_residuals": sorted(k for k in e.wire.residual_state() if k.startswith("moments/"))}
+           "moments_residuals": sorted(k for k in e.wire.residual_state() if k.startswith("moments/")),
+           "method_events": None if e.method is None else [(x["step"], x["method"], x["reconcile_interval"])
+                                                           for x in e.method.events]}
     if s is not None:
         out.update(spy_seen=s.seen, spy_outside=s.outside, spy_wrong_thread=s.wrong_thread[:5],
                    worker=s.worker)
@@ -343,6 +345,29 @@ def _force_level(name):
             old, ctrl.policy.level = ctrl.policy.level, new
             ctrl._apply(old, new, opt)
     return hook
+
+
+def _method_auto_run(rank, spec, *, dist_opt):
+    """`method: auto` with DP position 0's verdict fixed: a LOCAL class with H 2 from step 5, the exact
+    method again from the re-choice before step 8; whether every parameter is equal right after it."""
+    from _forced_choice import forced_method_choices
+
+    from topo_integrations.config import TopoAlignConfig
+
+    cfg = TopoAlignConfig.model_validate({
+        "mode": "selective", "method": "auto", "sync": {"last_n_layers": 1},
+        "local": {"promote_drift_fraction": 0.0}, "adaptive": {"enabled": True, "check_interval": 10_000}})
+    after: list = []
+
+    def rechoose(step, ddp, opt):
+        if step == 8:
+            for e in ddp.topo_engines:
+                e.method.rechoose(0.25, 1.0, 4.0)
+            after.append(_invariants(ddp, {"loss": None})["all_same"])
+
+    with forced_method_choices(("local", 2), ("hierarchical", None)):
+        out = _engine_run(rank, spec, cfg, dist_opt=dist_opt, steps=10, at_step=rechoose)
+    return {**out, "equal_after_rechoice": after}
 
 
 def _engine_checks(rank, spec):
@@ -378,7 +403,9 @@ def _engine_checks(rank, spec):
     out["hutchinson_plain"] = _engine_run(
         rank, spec, cfg(importance={"method": "hutchinson", "refresh_interval": 2}, sync={"top_fraction": 0.3}),
         dist_opt=False, steps=5)
+    out["method_auto_plain"] = _method_auto_run(rank, spec, dist_opt=False)
     out["async_distopt"] = _engine_run(rank, spec, cfg(), dist_opt=True, steps=7, spy=True)
+    out["method_auto_distopt"] = _method_auto_run(rank, spec, dist_opt=True)
     out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000},
                                                           sync={"dtype": "fp32"}),  # fp16 level: from fp32 only
                                           dist_opt=True, steps=7, at_step=_force_level("fp16"))
@@ -856,3 +883,19 @@ def test_auto_sync_at_four_islands(world, dist_opt):
         assert got["reconcile_bytes"] == 0, got
     losses = [r["loss"] for r in world[0]["auto_many_islands"][dist_opt]["recs"]]
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("case", ["method_auto_plain", "method_auto_distopt"])
+def test_method_auto_switches_and_keeps_invariants(world, case):
+    for res in world:
+        r = res["engine"][case]
+        assert r["method_events"] == [(5, "local", 2), (8, "hierarchical", None)], case
+        for step, rec in enumerate(r["recs"]):
+            assert rec["sync_all_same"] and rec["local_same_in_group"] and rec["agreed"], (case, step, rec)
+        assert r["equal_after_rechoice"] == [True]  # leaving the LOCAL class reconciled first
+        assert r["sync_dtype"] == "torch.float32" and r["final_all_same"]
+    recs = world[0]["engine"][case]["recs"]
+    n_all = recs[0]["n_sync"]
+    assert [rec["n_sync"] < n_all for rec in recs] == [False] * 4 + [True] * 4 + [False] * 2
+    assert any(not rec["all_same"] for rec in recs[4:8])  # positive control: the LOCAL class drifted

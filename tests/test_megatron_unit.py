@@ -57,6 +57,13 @@ def test_every_flag_maps_to_its_field(cfg_file):
 
 
 @pytest.mark.timeout(30)
+def test_method_flag_maps_to_method():
+    # ALL_FLAGS runs mode `hierarchical`, which `auto` (settings of `selective`) does not go with
+    cfg = _parser().parse_args(["--topo-align", "--topo-align-method", "auto"]).topo_align_resolved
+    assert cfg.method == "auto" and cfg.mode == "selective"
+
+
+@pytest.mark.timeout(30)
 def test_flags_override_the_file_and_the_file_overrides_defaults(cfg_file):
     cfg = _parser().parse_args(["--topo-align", "--topo-align-config", cfg_file,
                                 "--topo-align-top-fraction", "0.1"]).topo_align_resolved
@@ -92,6 +99,10 @@ def test_without_topo_align_the_run_is_stock():
      "argument --topo-align-local-dtype: got 'int8'; expected one of fp32, bf16, fp16"),
     (["--topo-align", "--topo-align-importance", "random"],
      "argument --topo-align-importance: got 'random'; expected one of fisher, hutchinson, magnitude"),
+    (["--topo-align", "--topo-align-method", "sometimes"],
+     "argument --topo-align-method: got 'sometimes'; expected one of fixed, auto"),
+    (["--topo-align", "--topo-align-method", "auto", "--topo-align-top-fraction", "0.2"],
+     "topo_align: method = 'auto' chooses sync.dtype, sync.top_fraction and local.reconcile_interval itself"),
     (["--topo-align-mode", "selective"],
      "--topo-align-mode given without --topo-align; add --topo-align to turn the plugin on"),
     (["--topo-align", "--topo-align-config", "/nonexistent/block.json"],
@@ -176,10 +187,6 @@ REFUSED = [
      "topo_align: importance.method = 'hutchinson' (--topo-align-importance) is not supported by the Megatron "
      "adapter (TopoAlignDDP): with pipeline parallelism no stage computes the whole loss, so there is no loss "
      "closure to differentiate twice; use 'fisher' or 'magnitude'"),
-    ({"method": "auto"}, dict(),
-     "topo_align: method = 'auto' is not supported by the Megatron adapter (TopoAlignDDP): the method is switched "
-     "at run time in GroupedReducer only; set the mode and its keys (`topo-align simulate` prints what method auto "
-     "would choose for a cluster) and remove the key"),
 ]
 
 ACCEPTED = [
@@ -187,6 +194,7 @@ ACCEPTED = [
     (TopoAlignConfig().model_dump(mode="json"), dict(use_distributed_optimizer=True)),  # nor spelled-out defaults
     ({"communication": {"overlap": True}}, dict(overlap_grad_reduce=True)),  # agrees with Megatron's setting
     ({"communication": {"bucket_size_mb": "auto"}}, dict()),  # asks for nothing: Megatron's buckets stay
+    ({"method": "auto"}, dict(use_distributed_optimizer=True)),  # issue 38: each engine chooses its method
     ({"mode": "selective", "local": {"dtype": "fp16"}}, dict()),  # plain DDP applies local.dtype
     ({"mode": "hierarchical", "local": {"dtype": "fp16"}}, dict(use_distributed_optimizer=True)),  # unused there
     # the default spelled out is no conflict: with DistOpt the buffer dtype applies (logged at start)

@@ -18,7 +18,7 @@ import torch
 
 from topo_integrations.config import ConfigError, TopoAlignConfig
 from topo_integrations.sim import SimOptions
-from topo_integrations.sim.choose import H_CAP, MethodChoice, MethodInputs, choose_for_groups
+from topo_integrations.sim.choose import H_CAP, MethodInputs, choose_for_groups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,24 +88,30 @@ def test_config_refuses_what_auto_would_override(block, words):
     assert str(exc.value) == words
 
 
-def test_config_accepts_auto_with_its_own_values_and_the_other_adapters_refuse_it():
+def test_config_accepts_auto_with_its_own_values_and_every_adapter_takes_it():
     cfg = TopoAlignConfig.from_block({"method": "auto", "sync": {"dtype": "auto"}, "local": {"dtype": "fp16"}})
     assert cfg.method == "auto" and cfg.local.dtype == "fp16"
-    from topo_integrations.deepspeed.support import check_supported
+    from topo_integrations.deepspeed.support import UnsupportedConfigError, check_supported
+    from topo_integrations.fsdp.refusals import check_config as fsdp_check
     from topo_integrations.megatron.refusals import MegatronSide, check_config
     from topo_integrations.torch.reducer import check_config as torch_check
 
-    with pytest.raises(ValueError, match=r"^topo_align\.method = 'auto' is not supported by the DeepSpeed adapter "
-                                         r"\(mode 'selective', ZeRO stage 0\): the method is switched at run time "
-                                         r"in GroupedReducer only; set the mode and its keys"):
-        check_supported({"zero_optimization": {"stage": 0}, "train_batch_size": 8}, cfg)
-    with pytest.raises(ValueError, match=r"^topo_align: method = 'auto' is not supported by the Megatron adapter "
-                                         r"\(TopoAlignDDP\): the method is switched at run time"):
-        check_config(cfg, MegatronSide(use_distributed_optimizer=False, overlap_grad_reduce=True))
-    with pytest.raises(ValueError, match=r"^topo_align: method = 'auto' is not supported by TopoAlignHookState: "
-                                         r"only GroupedReducer switches the method at run time"):
-        torch_check(cfg, None, "TopoAlignHookState")
-    torch_check(cfg, None, "GroupedReducer")
+    auto = TopoAlignConfig.from_block({"method": "auto"})
+    for stage in (0, 1, 2):
+        check_supported({"zero_optimization": {"stage": stage}, "train_batch_size": 8}, auto)
+    for dist_opt in (False, True):
+        check_config(auto, MegatronSide(use_distributed_optimizer=dist_opt, overlap_grad_reduce=True))
+    fsdp_check(auto)
+    for who in ("GroupedReducer", "TopoAlignHookState"):
+        torch_check(cfg, None, who)
+    # ZeRO-3 partitions parameters over the whole DP group: no candidate of `auto` but the exact one
+    with pytest.raises(UnsupportedConfigError) as exc:
+        check_supported({"zero_optimization": {"stage": 3}, "train_batch_size": 8}, auto)
+    assert str(exc.value) == (
+        "topo_align.mode = 'selective' with zero_optimization.stage = 3: selective at ZeRO-3 (parameters are "
+        "partitioned over the whole data-parallel group, so island replicas cannot drift and be reconciled) is "
+        "not supported; use mode 'hierarchical' with ZeRO-3, or ZeRO stage 1 or 2 for 'selective' (method 'auto' "
+        "chooses among settings of mode 'selective': remove it at ZeRO-3)")
 
 
 def test_simulate_prints_the_choice(capsys):
@@ -130,11 +136,10 @@ def test_simulate_prints_the_choice(capsys):
 
 def _rank_main(rank: int, world: int) -> dict:
     import torch.nn as nn
+    from _forced_choice import forced_method_choices
 
-    import topo_integrations.reducer.adaptive.method as mm
     from topo_integrations import GroupedReducer
     from topo_integrations.reducer.plan.planning import HOSTNAME_ENV
-    from topo_integrations.sim.choose import method_config
 
     os.environ[HOSTNAME_ENV] = f"node{rank // 2}"
     lines: list[str] = []
@@ -179,19 +184,13 @@ def _rank_main(rank: int, world: int) -> dict:
 
     # 2. A LOCAL class (H 2) from DP position 0's (forced) choice, then back to the exact method by a
     #    re-choice: the other ranks never run the chooser, they take the broadcast.
-    picks = iter([("local", 2), ("hierarchical", None)])
-
-    def fake(inp):
-        m, h = next(picks)
-        return MethodChoice(m, method_config(m, h), {"hierarchical": 2.0, "int8": 1.5, "local": 1.0}, 1.0,
-                            "int8", h or 2, "fixed by the test")
-
-    real_choose, mm.choose_for_groups = mm.choose_for_groups, fake  # only DP position 0 calls it
-    try:
+    with forced_method_choices(("local", 2), ("hierarchical", None)):
         _forced(out, run, Net, rank)
-    finally:
-        mm.choose_for_groups = real_choose
-    out["lines"] = lines
+        out["lines"] = list(lines)
+        # 4. The same switch through FSDP2 (shards: the classes rank on magnitudes agreed over the DP
+        #    group) and through DDP's comm hook.
+        out["fsdp2"] = _adapter_switch(rank, "fsdp2")
+        out["ddp_hook"] = _adapter_switch(rank, "ddp_hook")
     return out
 
 
@@ -232,6 +231,79 @@ def _forced(out: dict, run, Net, rank: int) -> None:
     out["resumed"] = (red.engine.method.method, red.engine.reconciler.interval, str(red.engine.sync_dtype),
                       sorted(red.engine.classes.items()) == out["classes_local"])
     red.close()
+
+
+AUTO_BLOCK = {"mode": "selective", "method": "auto", "topology": {"source": "hostnames"},
+              "adaptive": {"enabled": True, "check_interval": 1000}, "sync": {"last_n_layers": 1},
+              "local": {"promote_drift_fraction": 0.0}}
+"""`method: auto` with the adaptive controller on (renewed at each switch) and no drift promotion (it
+would move LOCAL tensors to SYNC and blur what the switch did)."""
+
+
+def _adapter_switch(rank: int, adapter: str) -> list:
+    """10 steps through ``adapter`` with the forced choices (LOCAL class with H 2 at step 5, the exact
+    method again from step 8): per step the method, H, the SYNC wire, the number of LOCAL tensors,
+    whether SYNC parameters (FSDP2: shards, against the rail partner) are bitwise equal on every rank
+    and whether every parameter is; before step 8 (right after the re-choice) whether every parameter
+    is equal."""
+    import test_fsdp as F
+    import torch.distributed as dist
+
+    cfg = TopoAlignConfig.from_block(AUTO_BLOCK)
+    if adapter == "fsdp2":
+        from topo_integrations.fsdp import apply, island_groups, island_mesh
+
+        groups = island_groups(F.cfg_of("hierarchical"))
+        model = F.build(island_mesh(groups)["shard"])
+        ta = apply(model, groups, cfg)
+        names = [n for n, _ in model.named_parameters()]
+
+        def values():  # per parameter, this rank's shard's fingerprint; peers: my rail partner's shard
+            return F._fingerprints(model)
+
+        def loss(s):
+            return F.loss_of(model, s, rank)
+        peers = [(rank + 2) % 4]
+    else:
+        import test_ddp_hook as T
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from topo_integrations.torch import TopoAlignHookState, topo_align_hook
+
+        model = DDP(T.make(), bucket_cap_mb=T.BUCKET_CAP_MB)
+        ta = TopoAlignHookState(model, cfg)
+        model.register_comm_hook(ta, topo_align_hook)
+        names = [n for n, _ in model.module.named_parameters()]
+
+        def values():
+            return F._fingerprints(model.module)
+
+        def loss(s):
+            return T.loss_of(model, s, rank)
+        peers = range(4)
+
+    def equal() -> list[bool]:
+        v = values()
+        every = [torch.empty_like(v) for _ in range(4)]
+        dist.all_gather(every, v)
+        return [all(torch.equal(v[i], every[p][i]) for p in peers) for i in range(len(names))]
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    rec: list = []
+    for s in range(10):
+        if s == 8:
+            ta.engine.method.rechoose(0.25, 1.0, 4.0)
+            rec.append(("after re-choice", all(equal())))
+        opt.zero_grad(set_to_none=True)
+        loss(s).backward()
+        opt.step()
+        ta.after_optimizer_step(opt)
+        e, same = ta.engine, equal()
+        rec.append((e.method.method, e.reconciler.interval, str(e.sync_dtype),
+                    sum(not e.is_sync(n) for n in names),
+                    all(ok for n, ok in zip(names, same) if e.is_sync(n)), all(same)))
+    ta.close()
+    return rec
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +351,22 @@ def test_the_switch_to_a_local_class_and_back_loses_nothing(world):
     assert len(rechosen) == 1 and rechosen[0].endswith(
         "(re-chosen at step 8: the adaptive monitor measured the slow tier at 1 GB/s against its reference "
         "4 GB/s, x0.25)")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(_world4.TIMEOUT)
+@pytest.mark.parametrize("adapter", ["fsdp2", "ddp_hook"])
+def test_fsdp2_and_the_ddp_hook_switch_and_lose_nothing(world, adapter):
+    rec = world[0][adapter]
+    assert all(r[adapter] == rec for r in world)  # every rank took the same method at the same step
+    assert [x[:3] for x in rec[:4]] == [(None, 2, "torch.int8")] * 4
+    assert [x[:3] for x in rec[4:8]] == [("local", 2, "torch.bfloat16")] * 4
+    assert rec[8] == ("after re-choice", True)  # leaving the LOCAL class reconciled first
+    assert [x[:3] for x in rec[9:]] == [("hierarchical", 2, "torch.float32")] * 2
+    steps = [x for x in rec if x[0] != "after re-choice"]
+    assert all(x[4] for x in steps)  # invariant 1: SYNC parameters equal on every rank, every step
+    assert all(x[3] > 0 for x in steps[4:8]) and all(x[3] == 0 for x in steps[:4] + steps[8:])
+    assert not all(x[5] for x in steps[4:8])  # positive control: the LOCAL class did drift apart
 
 
 @pytest.mark.multirank

@@ -83,11 +83,6 @@ KEY_REFUSALS: tuple[KeyRefusal, ...] = (
         lambda ds, cfg: (f"remove local.dtype (or set it to '{ds_communication_dtype(ds)}'), or set DeepSpeed's "
                          f"communication_data_type to '{cfg.local.dtype}'")),
     KeyRefusal(
-        "method", lambda ds, cfg: cfg.method == "auto",
-        lambda ds, cfg: "the method is switched at run time in GroupedReducer only",
-        lambda ds, cfg: ("set the mode and its keys (`topo-align simulate` prints what method auto would choose "
-                         "for a cluster) and remove the key")),
-    KeyRefusal(
         "topology.middle_level", lambda ds, cfg: cfg.topology.middle_level and zero_stage(ds) == 3,
         lambda ds, cfg: "the adapter's ZeRO-3 reduce-scatter has two levels (island, rail)",
         lambda ds, cfg: "remove topology.middle_level, or use ZeRO stage 0-2 for three levels"),
@@ -132,7 +127,9 @@ def check_supported(ds: dict, cfg, *, model: Any = None, mpu: Any = None) -> Non
         if mode == Mode.SELECTIVE:
             refuse("selective at ZeRO-3 (parameters are partitioned over the whole data-parallel group, "
                    "so island replicas cannot drift and be reconciled)",
-                   "use mode 'hierarchical' with ZeRO-3, or ZeRO stage 1 or 2 for 'selective'")
+                   "use mode 'hierarchical' with ZeRO-3, or ZeRO stage 1 or 2 for 'selective'"
+                   + (" (method 'auto' chooses among settings of mode 'selective': remove it at ZeRO-3)"
+                      if cfg.method == "auto" else ""))
         if zero.get("zero_quantized_gradients"):
             refuse("zero_quantized_gradients (qgZ replaces the gradient reduce-scatter)",
                    "set zero_quantized_gradients to false, or use topo_align.mode 'flat'")

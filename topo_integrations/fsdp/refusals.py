@@ -52,11 +52,6 @@ KEY_REFUSALS: dict[str, tuple[Callable[[TopoAlignConfig], bool], str, str]] = {
         "LOCAL gradients travel in FSDP2's island reduce-scatter, in the mixed-precision policy's "
         "reduce_dtype",
         "choose that dtype with MixedPrecisionPolicy(reduce_dtype=...) and remove the key"),
-    "method": (
-        lambda c: c.method == "auto",
-        "the method is switched at run time in GroupedReducer only (issue 38)",
-        "set the mode and its keys (`topo-align simulate` prints what method auto would choose for a cluster) "
-        "and remove the key"),
     "importance.method": (
         lambda c: c.mode == Mode.SELECTIVE and c.importance.method == Method.HUTCHINSON,
         "differentiating the loss a second time would run FSDP2's post-backward reduce-scatters again",

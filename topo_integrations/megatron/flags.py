@@ -11,6 +11,7 @@
     --topo-align-inter-dtype DTYPE    fp32 | bf16 | fp16                     -> communication.inter_dtype
     --topo-align-local-dtype DTYPE    fp32 | bf16 | fp16                     -> local.dtype
     --topo-align-importance METHOD    fisher | hutchinson | magnitude        -> importance.method
+    --topo-align-method METHOD        fixed | auto                           -> method
 
 Flags override the file; fields neither sets keep the schema's defaults. A bad value is rejected at
 parse time with argparse's one-line ``error:`` message (exit status 2), naming the flag, the value
@@ -35,6 +36,7 @@ RESOLVED_ATTR = "topo_align_resolved"
 """Namespace attribute holding the resolved `TopoAlignConfig` (or None)."""
 
 IMPORTANCE_METHODS = ("fisher", "hutchinson", "magnitude")
+METHODS = ("fixed", "auto")
 
 # argparse dest -> dotted config field (the topology flag sets two fields, handled apart).
 FLAG_FIELDS: dict[str, str] = {
@@ -46,6 +48,7 @@ FLAG_FIELDS: dict[str, str] = {
     "topo_align_inter_dtype": "communication.inter_dtype",
     "topo_align_local_dtype": "local.dtype",
     "topo_align_importance": "importance.method",
+    "topo_align_method": "method",
 }
 _ALL_DESTS = ("topo_align", "topo_align_config", "topo_align_topology", *FLAG_FIELDS)
 
@@ -127,6 +130,9 @@ def add_topo_align_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help=f"selective: wire dtype of LOCAL gradients inside a group: {', '.join(DTYPES)}.")
     g.add_argument("--topo-align-importance", type=_choice(IMPORTANCE_METHODS), default=None, metavar="METHOD",
                    help=f"selective: importance score: {', '.join(IMPORTANCE_METHODS)}.")
+    g.add_argument("--topo-align-method", type=_choice(METHODS), default=None, metavar="METHOD",
+                   help="fixed: the mode and keys as set; auto: chosen from the measured slow tier, the gradient "
+                        "and the timed compute (docs/costmodel.md, section 6).")
     mark_derivable(parser)  # Megatron-LM's --num-distributed-optimizer-instances, when already added
     _resolve_after_parsing(parser)
     return parser

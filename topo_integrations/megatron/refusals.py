@@ -70,10 +70,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "Megatron decides whether buckets are reduced during backward",
         "use --overlap-grad-reduce (DistributedDataParallelConfig.overlap_grad_reduce) and remove the key"),
     Refusal(
-        "method", lambda c, m: c.method == "auto", "the method is switched at run time in GroupedReducer only",
-        "set the mode and its keys (`topo-align simulate` prints what method auto would choose for a cluster) "
-        "and remove the key"),
-    Refusal(
         "local.dtype", lambda c, m: c.mode == Mode.SELECTIVE and m.use_distributed_optimizer,
         "with the distributed optimizer LOCAL gradients travel in the island reduce-scatter of the whole "
         "bucket, in the gradient buffer's dtype",

@@ -66,10 +66,6 @@ def check_config(cfg, loss_closure, who: str) -> None:
     """What a plain-PyTorch adapter refuses before it builds anything (named after ``who``)."""
     if not isinstance(cfg, TopoAlignConfig):
         raise TypeError(f"cfg must be a TopoAlignConfig, got {type(cfg).__name__}")
-    if cfg.method == "auto" and who != "GroupedReducer":
-        raise ValueError(f"topo_align: method = 'auto' is not supported by {who}: only GroupedReducer switches the "
-                         "method at run time; set the mode and its keys (`topo-align simulate` prints what auto "
-                         "would choose for a cluster), or use GroupedReducer")
     if cfg.importance.method == Method.HUTCHINSON and cfg.mode == Mode.SELECTIVE and loss_closure is None:
         raise ValueError("importance.method = 'hutchinson' needs a loss closure: "
                          f"{who}(..., loss_closure=lambda: loss_fn(model(batch)))")

@@ -153,8 +153,11 @@ class MethodAuto:
         e.reconciler.local = cfg.local
         pol = e.policy
         scores = None
-        if pol.params and all(n in pol.params for n in pol.names):  # identical on every rank here
-            scores = Importance.magnitude([pol.params[n] for n in pol.names]).cpu().tolist()
+        if pol.params and all(n in pol.params for n in pol.names):
+            # Agreed over the DP group: a replica holds the whole tensor, identical everywhere, but a
+            # sharded adapter (FSDP2) holds one shard per rank, whose magnitude is its own.
+            mine = Importance.magnitude([pol.params[n] for n in pol.names]).double()
+            scores = (e.wire.agree(mine.to(e.device), "sum", host=True) / e.groups.dp_size).tolist()
         e.reconfigure(classes=pol.classify(scores), reconcile_interval=cfg.local.reconcile_interval,
                       sync_dtype=wire_dtype(cfg.sync.dtype))
         pol.last_refresh = e.step
