@@ -568,6 +568,12 @@ def _method_auto(rank):
                           "events": [(x["step"], x["method"], x["reconcile_interval"])
                                      for x in eng.topo_align.engine.method.events]}
             _reset_ds_globals()
+    # the real chooser (ZeRO-1): DP position 0 times steps 2-5 and decides, every rank takes it
+    eng = _engine(H.Net(), H.ds_config(1, clip=0.05, topo=dict(block, adaptive={"enabled": False})), "adamw")
+    H.train(eng, 6)
+    m = eng.topo_align.engine.method
+    res["real"] = {"events": [(x["step"], x["method"]) for x in m.events], "line": m.events[0]["line"]}
+    _reset_ds_globals()
     return res
 
 
@@ -893,3 +899,14 @@ def test_method_auto_switches_and_keeps_invariants(world, stage):
     _invariants(rec["records"], f"method auto ZeRO-{stage}")
     assert rec["equal_after_rechoice"]
     assert max(s["local_spread"] for s in rec["records"][4:8]) > 0  # positive control: LOCAL drifted
+
+
+@pytest.mark.timeout(1000)
+def test_method_auto_real_choice_is_position_0s_on_every_rank(world):
+    real = _ok(world, "method_auto")["real"]
+    assert len(real["events"]) == 1 and real["events"][0][0] == 5
+    assert real["events"][0][1] in ("hierarchical", "int8", "local")
+    assert all(w["method_auto"]["real"]["events"] == real["events"] for w in world)
+    assert real["line"].startswith(f"topo_align: method auto: {real['events'][0][1]} (")
+    assert "figures: 2 groups of 2 ranks; slow tier " in real["line"] and "(timed over steps 2-5)" in real["line"]
+    assert all(w["method_auto"]["real"]["line"] is None for w in world[1:])  # only position 0 chose

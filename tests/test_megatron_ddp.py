@@ -347,9 +347,10 @@ def _force_level(name):
     return hook
 
 
-def _method_auto_run(rank, spec, *, dist_opt):
+def _method_auto_run(rank, spec, *, dist_opt, real=False):
     """`method: auto` with DP position 0's verdict fixed: a LOCAL class with H 2 from step 5, the exact
-    method again from the re-choice before step 8; whether every parameter is equal right after it."""
+    method again from the re-choice before step 8; whether every parameter is equal right after it.
+    ``real``: the real chooser instead, 6 steps (its choice and log line)."""
     from _forced_choice import forced_method_choices
 
     from topo_integrations.config import TopoAlignConfig
@@ -357,6 +358,13 @@ def _method_auto_run(rank, spec, *, dist_opt):
     cfg = TopoAlignConfig.model_validate({
         "mode": "selective", "method": "auto", "sync": {"last_n_layers": 1},
         "local": {"promote_drift_fraction": 0.0}, "adaptive": {"enabled": True, "check_interval": 10_000}})
+    if real:
+        lines = []
+
+        def keep(step, ddp, opt):
+            if step == 5:
+                lines.extend(e.method.events[0]["line"] for e in ddp.topo_engines)
+        return {**_engine_run(rank, spec, cfg, dist_opt=dist_opt, steps=6, at_step=keep), "lines": lines}
     after: list = []
 
     def rechoose(step, ddp, opt):
@@ -404,6 +412,7 @@ def _engine_checks(rank, spec):
         rank, spec, cfg(importance={"method": "hutchinson", "refresh_interval": 2}, sync={"top_fraction": 0.3}),
         dist_opt=False, steps=5)
     out["method_auto_plain"] = _method_auto_run(rank, spec, dist_opt=False)
+    out["method_auto_real"] = _method_auto_run(rank, spec, dist_opt=False, real=True)
     out["async_distopt"] = _engine_run(rank, spec, cfg(), dist_opt=True, steps=7, spy=True)
     out["method_auto_distopt"] = _method_auto_run(rank, spec, dist_opt=True)
     out["adaptive_distopt"] = _engine_run(rank, spec, cfg(adaptive={"enabled": True, "check_interval": 10_000},
@@ -899,3 +908,14 @@ def test_method_auto_switches_and_keeps_invariants(world, case):
     n_all = recs[0]["n_sync"]
     assert [rec["n_sync"] < n_all for rec in recs] == [False] * 4 + [True] * 4 + [False] * 2
     assert any(not rec["all_same"] for rec in recs[4:8])  # positive control: the LOCAL class drifted
+
+
+@pytest.mark.timeout(960)
+def test_method_auto_real_choice_is_position_0s_on_every_rank(world):
+    r0 = world[0]["engine"]["method_auto_real"]
+    (step, method, _), = r0["method_events"]
+    assert step == 5 and method in ("hierarchical", "int8", "local")
+    assert all(res["engine"]["method_auto_real"]["method_events"] == r0["method_events"] for res in world)
+    line, = r0["lines"]
+    assert line.startswith(f"topo_align: method auto: {method} (") and "figures: 2 groups of 2 ranks" in line
+    assert all(res["engine"]["method_auto_real"]["lines"] == [None] for res in world[1:])

@@ -300,7 +300,7 @@ def test_cpu_compat_never_activates_when_cuda_is_available():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("name", ["hierarchical-distopt.args", "selective.args"])
+@pytest.mark.parametrize("name", ["hierarchical-distopt.args", "selective.args", "selective-auto.args"])
 def test_shipped_megatron_configs_parse(name):
     import os
     import shlex
@@ -317,6 +317,7 @@ def test_shipped_megatron_configs_parse(name):
     cfg = p.parse_args(argv).topo_align_resolved
     assert "--num-distributed-optimizer-instances" not in argv  # derived from the topology (megatron/layout.py)
     assert cfg.mode == name.split(".")[0].split("-")[0]
+    assert cfg.method == ("auto" if "auto" in name else "fixed")
 
 
 @pytest.mark.timeout(30)
