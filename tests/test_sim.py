@@ -27,12 +27,12 @@ from topo_integrations.sim.algorithms import (
     flat_ring,
     hierarchical_2level,
     hierarchical_3level,
-    local_sgd,
     selective,
     split_groups,
 )
 from topo_integrations.sim.cli import main as sim_main
 from topo_integrations.sim.model import Fabric, apply_rank_order
+from topo_integrations.sim.peers import diloco, gpt_matrices, local_sgd, powersgd, powersgd_elements
 from topo_integrations.sim.workload import megatron_param_count, read_megatron_args
 from topo_integrations.topology import Tier, Topology, plan_groups, topology_from_dict
 
@@ -211,6 +211,66 @@ def test_selective_wires_and_moments_and_local_sgd_formulas():
     assert c.background_blocking
     with pytest.raises(SimError, match=r"post-local SGD period = 0; expected an integer >= 1"):
         local_sgd(Fabric.from_topology(t), pure_dp(t), E, 4, 4, 0)
+
+
+def test_diloco_and_powersgd_formulas():
+    """DiLoCo: the gradient all-reduced in the island every step, the fp32 pseudo-gradient of the whole
+    model over each rail every H steps: 2(R-1)/R * E * 4 / H slow-tier bytes per GPU and step.
+    PowerSGD: three chained flat rings (vectors, P, Q) of a GPT's shapes; bytes fall with the rank."""
+    g, R = 4, 3
+    t = topo(1, R, g)
+    fab = Fabric.from_topology(t)
+    world, E = g * R, 1e8
+    for H in (1, 16, 64, 256):
+        c = diloco(fab, pure_dp(t), E, 2, H)
+        tb = c.tier_bytes()
+        assert rel((tb["leaf"] + tb["spine"]) / world, 2 * (R - 1) / R * E * 4 / H) < 1e-9
+        assert rel(tb["island"] / world, 2 * (g - 1) / g * E * 2) < 1e-9
+        assert c.background_blocking and c.streams[0].phases[0].latency_s > 0
+    # latency and bandwidth of the sync both charged 1/H; a longer H, fewer bytes and a shorter sync
+    assert rel(diloco(fab, pure_dp(t), E, 2, 16).background_s(), diloco(fab, pure_dp(t), E, 2, 1).background_s()
+               / 16) < 1e-9
+    # the shapes add up to the parameters; a 175B, 96-layer GPT has h about 12288
+    mats, vec = gpt_matrices(175e9, 96)
+    assert rel(sum(n * m * k for n, m, k in mats) + vec, 175e9) < 1e-9 and abs(mats[1][0] - 12288) < 150
+    p1, q1, rest1 = powersgd_elements(175e9, 96, 1)
+    p4, q4, rest4 = powersgd_elements(175e9, 96, 4)
+    assert rel(p4 + q4, 4 * (p1 + q1)) < 1e-9 and rest1 == rest4 == vec
+    h = mats[1][0]
+    assert rel(p1 + q1, 96 * 16 * h + 51200 + h) < 1e-9  # per layer (3h+h) + 2h + 5h + 5h, embedding V + h
+    # a matrix too small to gain (r (n + m) x 2 >= n m) goes whole with the vectors, as PyTorch's hook does
+    p, q, rest = powersgd_elements(1e4, 1, 64)
+    assert p == q == 0 and rel(rest, 1e4) < 1e-9
+    by_rank = {}
+    for r in (1, 4):
+        c = powersgd(fab, pure_dp(t), E, 175e9, 96, r)
+        assert [ph.name for ph in c.streams[0].phases] == ["uncompressed all-reduce", "P all-reduce", "Q all-reduce"]
+        assert not c.streams[0].pipelined and not c.background
+        by_rank[r] = c.tier_bytes()
+        p, q, rest = powersgd_elements(175e9, 96, r)
+        ring = flat_ring(fab, pure_dp(t), (p + q + rest) * E / 175e9 * 4).tier_bytes()
+        assert all(rel(by_rank[r][k], ring[k]) < 1e-9 for k in ("island", "leaf"))
+    hier = hierarchical_2level(fab, pure_dp(t), 2 * E, pipelined=False, inter_bytes=4 * E).tier_bytes()
+    assert by_rank[1]["leaf"] < by_rank[4]["leaf"] < hier["leaf"] / 100
+    # bad periods, ranks and a missing layer count: one message each, naming what is needed
+    with pytest.raises(SimError, match=r"^DiLoCo period = 0; expected an integer >= 1$"):
+        diloco(fab, pure_dp(t), E, 2, 0)
+    with pytest.raises(SimError, match=r"^PowerSGD rank = 0; expected an integer >= 1$"):
+        powersgd(fab, pure_dp(t), E, 175e9, 96, 0)
+    with pytest.raises(SimError, match=r"^PowerSGD needs the layer count to shape the gradient's matrices: give "
+                       r"--num-layers \(or --megatron-args; Python: Workload\(num_layers=\.\.\.\)\)$"):
+        powersgd(fab, pure_dp(t), E, 175e9, None, 4)
+    for kw, msg in (({"diloco_period": 0}, "diloco_period = 0; expected an integer >= 1"),
+                    ({"powersgd_rank": 2.5}, "powersgd_rank = 2.5; expected an integer >= 1")):
+        with pytest.raises(SimError) as exc:
+            simulate(t, Workload(E, compute_s=1.0, num_layers=4), SimOptions(algorithms=("diloco",), **kw))
+        assert str(exc.value) == msg
+    # priced only when asked for, like localsgd; the CLI takes their knobs
+    assert not {"localsgd", "diloco", "powersgd"} & set(SimOptions().algorithms)
+    res = simulate(t, Workload(E, compute_s=1.0, num_layers=4),
+                   SimOptions(algorithms=("diloco", "powersgd"), diloco_period=8, powersgd_rank=2))
+    assert rel(res.row("diloco").tier_bytes_per_gpu["leaf"] + res.row("diloco").tier_bytes_per_gpu["spine"],
+               2 * (R - 1) / R * E * 4 / 8) < 1e-9
 
 
 def test_defaults_follow_the_plugin():
@@ -415,6 +475,7 @@ def test_cli_json_plot_and_errors(tmp_path, capsys):
     data = json.loads(out)
     assert data["workload"]["dp"] == 15 and data["options"]["rank_order"] == "scattered"
     assert {r["key"] for r in data["rows"]} >= {"ring", "hier2", "selective"}
+    assert not {r["key"] for r in data["rows"]} & {"localsgd", "diloco", "powersgd"}  # peers: on request
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for argv, msg in (
         (["--params", "175e9", "--tp", "7", "--compute-s", "1"], "tp x pp = 7 x 1 = 7 does not divide the 960 GPUs"),
@@ -428,12 +489,25 @@ def test_cli_json_plot_and_errors(tmp_path, capsys):
             ["--params", "1e9", "--compute-s", "1", "--top-fraction", "1.5"],
             "top_fraction = 1.5; expected a number in [0, 1]",
         ),
+        (["--params", "1e9", "--compute-s", "1", "--algorithms", "powersgd"],
+         "PowerSGD needs the layer count to shape the gradient's matrices: give --num-layers"),
+        (["--params", "1e9", "--compute-s", "1", "--algorithms", "diloco", "--diloco-period", "0"],
+         "diloco_period = 0; expected an integer >= 1"),
+        (["--params", "1e9", "--compute-s", "1", "--num-layers", "8", "--algorithms", "powersgd",
+          "--powersgd-rank", "0"], "powersgd_rank = 0; expected an integer >= 1"),
     ):
         assert sim_main(["--topology", topo_file, *argv]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err
     assert sim_main(["--topology", str(tmp_path / "missing.json"), "--params", "1e9", "--compute-s", "1"]) == 2
     assert "cannot read topology file" in capsys.readouterr().err
+    # the peers' knobs reach the model
+    assert sim_main(["--topology", topo_file, "--params", "175e9", "--num-layers", "96", "--compute-s", "30",
+                     "--algorithms", "diloco,powersgd", "--diloco-period", "64", "--powersgd-rank", "1",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["options"]["diloco_period"], data["options"]["powersgd_rank"]) == (64, 1)
+    assert {r["key"] for r in data["rows"]} == {"ring", "hier2", "diloco", "powersgd"}
 
 
 def test_moments_dtype_halves_the_moments_bytes(tmp_path, capsys):
