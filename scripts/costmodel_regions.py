@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Where hierarchical, selective and post-local SGD each win: islands x inter-island link speed (issue 31).
+"""Where hierarchical, selective and the peers each win, and what `method: auto` chooses: islands x
+inter-island link speed (issues 31 and 38).
 
     .venv/bin/python scripts/costmodel_regions.py                          # print the tables
     .venv/bin/python scripts/costmodel_regions.py --markdown regions.md    # also write them to a file
@@ -15,8 +16,10 @@ with the file's latencies (7 / 10 us). Workload: docs/costmodel.md section 2's p
 (`costmodel_960.workload(1, 1)`: 96 layers, bf16 gradients, 1536 x 2048 tokens per step at 40% MFU
 of 312 TFLOP/s), the global batch fixed, so compute per step shrinks as islands are added.
 Algorithms, with this release's `"topo_align"` defaults (config schema): `hier2-b2b` (the plugin's
-`hierarchical`, cross-island phase in `communication.inter_dtype`), `selective`, and post-local SGD
-(`localsgd`, its fp32 parameter average every 4 steps, blocking).
+`hierarchical`, cross-island phase in `communication.inter_dtype`), `selective`, and the peers
+(sim/peers.py): post-local SGD (`localsgd`, its fp32 parameter average every 4 steps, blocking),
+DiLoCo (`diloco`) at H = 16, 64 and 256, PowerSGD (`powersgd`) at rank 1 and 4. `method: auto`'s
+choice per cell: sim/choose.py's `choose_for_groups` with the cell's figures.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ from topo_integrations.config import (  # noqa: E402
     resolve_sync,
 )
 from topo_integrations.sim import SimError, SimOptions, simulate  # noqa: E402
+from topo_integrations.sim.choose import MethodChoice, MethodInputs, choose_for_groups  # noqa: E402
 from topo_integrations.sim.model import DTYPE_BYTES  # noqa: E402
 from topo_integrations.sim.scenario import options_from_block  # noqa: E402
-from topo_integrations.topology import topology_from_dict  # noqa: E402
+from topo_integrations.topology import plan_groups, topology_from_dict  # noqa: E402
 
 BEGIN, END = "<!-- costmodel_regions:begin -->", "<!-- costmodel_regions:end -->"
 DOC = os.path.join(ROOT, "docs", "costmodel.md")
@@ -54,9 +58,24 @@ SUPERPOD = os.path.join(ROOT, "configs", "topologies", "dgx-a100-superpod-960.js
 ISLANDS = (2, 4, 8, 16, 32, 64, 128)
 GBITS = (1, 10, 25, 100, 200, 400)
 NODES_PER_LEAF = 20  # a SuperPOD scalable unit
-KEYS = ("hier2-b2b", "selective", "localsgd")  # tie order: the exact algorithm first
-NAMES = {"hier2-b2b": "hierarchical", "selective": "selective", "localsgd": "post-local SGD"}
-SHORT = {"hier2-b2b": "H", "selective": "S", "localsgd": "P"}
+COLUMNS: dict[str, tuple[str, dict]] = {
+    "hier2-b2b": ("hier2-b2b", {}),
+    "selective": ("selective", {}),
+    "localsgd": ("localsgd", {}),
+    "diloco-h16": ("diloco", {"diloco_period": 16}),
+    "diloco-h64": ("diloco", {"diloco_period": 64}),
+    "diloco-h256": ("diloco", {"diloco_period": 256}),
+    "powersgd-r1": ("powersgd", {"powersgd_rank": 1}),
+    "powersgd-r4": ("powersgd", {"powersgd_rank": 4}),
+}
+"""Column of the map -> (simulator algorithm, its options); in tie order: the exact algorithm first."""
+KEYS = tuple(COLUMNS)
+NAMES = {"hier2-b2b": "hierarchical", "selective": "selective", "localsgd": "post-local SGD",
+         "diloco-h16": "DiLoCo H=16", "diloco-h64": "DiLoCo H=64", "diloco-h256": "DiLoCo H=256",
+         "powersgd-r1": "PowerSGD r=1", "powersgd-r4": "PowerSGD r=4"}
+SHORT = {"hier2-b2b": "H", "selective": "S", "localsgd": "L", "diloco-h16": "D16", "diloco-h64": "D64",
+         "diloco-h256": "D256", "powersgd-r1": "P1", "powersgd-r4": "P4"}
+AUTO_SHORT = {"hierarchical": "hier.", "int8": "int8", "local": "local"}
 TIE = 0.01
 """Step times within 1% of the fastest count as a tie (the model is not that precise: docs/costmodel.md 3-4)."""
 COMMAND = ".venv/bin/python scripts/costmodel_regions.py"
@@ -72,6 +91,10 @@ class Cell:
     """Bytes per GPU and step on every tier but the island (NVLink): what leaves the island."""
     sync_fraction: float
     """Selective's SYNC share as the model prices it (last-N layers and promotion budget included)."""
+    auto: MethodChoice | None = None
+    """`method: auto`'s choice here (sim/choose.py ``choose_for_groups``), None when not asked for."""
+    auto_step_s: float = math.nan
+    """The choice's step priced on this cell's fabric (algorithm `selective` with the keys it sets)."""
 
     @property
     def winners(self) -> list[str]:
@@ -84,16 +107,35 @@ class Cell:
         rest = [k for k in KEYS if k not in self.winners]
         return min(rest, key=lambda k: self.step_s[k]) if rest else None
 
+    @property
+    def auto_agrees(self) -> bool:
+        """The choice's step is within TIE of the fastest column's."""
+        return self.auto_step_s <= min(self.step_s.values()) * (1.0 + TIE)
+
 
 def options(inter_dtype: str | None = None, localsgd_period: int = 4, bucket_mb: float | None = None) -> SimOptions:
-    """This release's defaults (the config schema's `"topo_align"` block), the three algorithms."""
+    """This release's defaults (the config schema's `"topo_align"` block)."""
     opt = options_from_block(TopoAlignConfig(), SimOptions())
-    kw = {"algorithms": KEYS, "localsgd_period": localsgd_period}
+    kw = {"algorithms": ("hier2-b2b",), "localsgd_period": localsgd_period}
     if inter_dtype is not None:
         kw["inter_dtype"] = inter_dtype
     if bucket_mb is not None:
         kw["bucket_mb"] = bucket_mb
     return replace(opt, **kw)
+
+
+def passes() -> list[tuple[tuple[str, ...], dict]]:
+    """The columns in as few `simulate` calls as their options allow: ((algorithms), options) each."""
+    out: list[tuple[list[str], dict]] = []
+    for algo, over in COLUMNS.values():
+        for algos, kw in out:
+            if algo not in algos and all(kw.get(k, v) == v for k, v in over.items()):
+                algos.append(algo)
+                kw.update(over)
+                break
+        else:
+            out.append(([algo], dict(over)))
+    return [(tuple(a), kw) for a, kw in out]
 
 
 def _buckets_text(opt: SimOptions) -> str:
@@ -102,7 +144,7 @@ def _buckets_text(opt: SimOptions) -> str:
     return ("Buckets launched during backward, `communication.bucket_size_mb` `auto` for hierarchical and "
             f"selective ({BUCKET_MB_MIN:g} MiB up to {int(BUCKET_MB_MIN // BUCKET_MB_PER_GROUP)} islands, then "
             f"{BUCKET_MB_PER_GROUP:g} MiB per island: {resolve_bucket_mb('auto', 128):g} MiB at 128), "
-            f"{BUCKET_MB_MIN:g} MiB for post-local SGD's gradients")
+            f"DDP's {BUCKET_MB_MIN:g} MiB for the peers' gradients")
 
 
 def fabric(islands: int, gbit: float, base: dict):
@@ -123,27 +165,62 @@ def _superpod() -> dict:
         return json.load(f)
 
 
-def sweep(islands=ISLANDS, gbits=GBITS, opt: SimOptions | None = None) -> list[Cell]:
+def auto_choice(topo, islands: int, wl, opt: SimOptions, compute_s: float) -> tuple[MethodChoice, float]:
+    """`method: auto` on this cell as the engine sees it (choose_for_groups: the islands, the plan's slow
+    tier, the gradient, the compute), and the choice's step priced on the cell's own fabric."""
+    plan = plan_groups(topo, group_by="island", mode="selective")
+    slow, fast = topo.tiers[plan.inter_tier], topo.tiers[plan.intra_tier]
+    inp = MethodInputs(islands, topo.world_size // islands, slow.effective_gbps, slow.latency_us,
+                       f"{plan.inter_tier}, swept", wl.grad_elements, wl.grad_dtype, compute_s,
+                       "6 x params x tokens / (GPUs x MFU x peak)", fast.effective_gbps, fast.latency_us,
+                       replace(opt, last_n_share=opt.last_n_layers / wl.num_layers))  # as the engine: the last N
+    c = choose_for_groups(inp)
+    keys = {"sync_dtype": c.config["sync.dtype"], "top_fraction": c.config["sync.top_fraction"]}
+    if "local.reconcile_interval" in c.config:
+        keys["reconcile_interval"] = c.config["local.reconcile_interval"]
+    res = simulate(topo, wl, replace(opt, algorithms=("selective",), stream_fragments=1, **keys))
+    return c, res.row("selective").step_s
+
+
+def sweep(islands=ISLANDS, gbits=GBITS, opt: SimOptions | None = None, auto: bool = True) -> list[Cell]:
+    """Every cell priced: each column's step and slow-tier bytes, and (``auto``) `method: auto`'s choice."""
     opt = opt or options()
-    base = _superpod()
+    base, wl = _superpod(), workload(1, 1)
     cells = []
     for n in islands:
         for g in gbits:
-            res = simulate(fabric(n, g, base), workload(1, 1), opt)
-            step = {k: res.row(k).step_s for k in KEYS}
-            slow = {k: sum(v for t, v in res.row(k).tier_bytes_per_gpu.items() if t != "island") for k in KEYS}
-            cells.append(Cell(n, g, res.compute_s, step, slow, res.workload["selective_sync_fraction"]))
+            topo = fabric(n, g, base)
+            rows, res = {}, None
+            for algos, over in passes():
+                res = simulate(topo, wl, replace(opt, algorithms=algos, **over))
+                for k, (algo, kw) in COLUMNS.items():
+                    if algo in algos and all(over.get(a) == v for a, v in kw.items()):
+                        rows.setdefault(k, res.row(algo))
+            step = {k: rows[k].step_s for k in KEYS}
+            slow = {k: sum(v for t, v in rows[k].tier_bytes_per_gpu.items() if t != "island") for k in KEYS}
+            choice, auto_step = auto_choice(topo, n, wl, opt, res.compute_s) if auto else (None, math.nan)
+            cells.append(Cell(n, g, res.compute_s, step, slow, res.workload["selective_sync_fraction"], choice,
+                              auto_step))
     return cells
 
 
 def _winner_cell(c: Cell) -> str:
     w = c.winners
-    text = " = ".join(SHORT[k] for k in w)
+    text = "all" if len(w) == len(KEYS) else " = ".join(SHORT[k] for k in w)
     text = f"**{text}**" if len(w) == 1 else text
     text += f" {c.step_s[w[0]]:.1f} s"
     if c.runner_up:
         text += f" ({SHORT[c.runner_up]} {c.step_s[c.runner_up] / c.step_s[w[0]]:.2f}x)"
     return text
+
+
+def _auto_cell(c: Cell) -> str:
+    m = c.auto
+    text = AUTO_SHORT[m.method]
+    if m.method == "local":
+        text += f" {m.reconcile_interval}" + (" capped" if m.h_capped else "")
+    ratio = c.auto_step_s / min(c.step_s.values())
+    return f"**{text}** {ratio:.2f}x" if c.auto_agrees else f"{text} {ratio:.2f}x ({SHORT[c.winners[0]]})"
 
 
 def _selective_text(cells: list[Cell], opt: SimOptions) -> str:
@@ -164,18 +241,14 @@ def _selective_text(cells: list[Cell], opt: SimOptions) -> str:
     return "; ".join(parts)
 
 
-def render(cells: list[Cell], opt: SimOptions, command: str = COMMAND) -> str:
-    islands = list(dict.fromkeys(c.islands for c in cells))
-    gbits = list(dict.fromkeys(c.gbit for c in cells))
-    at = {(c.islands, c.gbit): c for c in cells}
-    cols = "| islands (GPUs) | " + " | ".join(f"{g:g} Gbit/s" for g in gbits) + " |"
+def _intro(cells: list[Cell], opt: SimOptions, command: str) -> list[str]:
     inter = opt.inter_dtype or "the gradient dtype"
     t, wl = _superpod()["tiers"], workload(1, 1)
-    out = [
+    return [
         f"Generated by `{command}` (simulated: the alpha-beta model; it prices communication and its overlap "
-        "with backward only, **not** model quality: selective and post-local SGD change the optimisation, "
-        "and their quality cost is not in these figures; docs/convergence.md, \"Many islands\", measures "
-        "selective's at 2, 4 and 8 islands).",
+        "with backward only, **not** model quality: selective's LOCAL class, post-local SGD, DiLoCo and "
+        "PowerSGD change the optimisation, and their quality cost is not in these figures; docs/convergence.md, "
+        "\"Many islands\", measures a LOCAL class's at 2, 4 and 8 islands).",
         "",
         f"Workload: section 2's pure-DP GPT-3 ({wl.params / 1e9:g}B parameters, {wl.num_layers} layers, "
         f"{wl.grad_dtype} gradients, {wl.tokens_per_step:,.0f} tokens per step at {wl.mfu:.0%} MFU of "
@@ -184,41 +257,84 @@ def render(cells: list[Cell], opt: SimOptions, command: str = COMMAND) -> str:
         f"{os.path.relpath(SUPERPOD, ROOT)} (NVLink {t['island']['bandwidth_gbps']:g} GB/s per GPU, "
         f"{t['island']['latency_us']:g} us), leaves of up to {NODES_PER_LEAF} nodes, 1:1 spine, leaf and spine "
         f"at the column's link speed per GPU ({t['leaf']['latency_us']:g} / {t['spine']['latency_us']:g} us), "
-        f"rank order by leaf. {_buckets_text(opt)}; hierarchical = "
-        f"`hier2-b2b`, its cross-island wire (`communication.inter_dtype`) {inter}; selective: "
-        f"{_selective_text(cells, opt)}; post-local SGD "
-        f"(`localsgd`): the fp32 parameters averaged over all ranks every {opt.localsgd_period} steps, blocking. "
-        "Everything else: this release's `\"topo_align\"` defaults.",
+        f"rank order by leaf. {_buckets_text(opt)}. The columns: "
+        f"**H** hierarchical (`hier2-b2b`, its cross-island wire `communication.inter_dtype` {inter}); "
+        f"**S** selective ({_selective_text(cells, opt)}); the peers (sim/peers.py, priced after their "
+        f"warm-ups): **L** post-local SGD (`localsgd`: the gradient all-reduced in the island, the fp32 "
+        f"parameters over all ranks every {opt.localsgd_period} steps, blocking); **D16**, **D64**, **D256** "
+        "DiLoCo (`diloco`, as torchft runs it: the gradient all-reduced in the island, the fp32 pseudo-gradient "
+        "of the whole model across islands every H = 16, 64 or 256 steps, blocking); **P1**, **P4** PowerSGD "
+        "(`powersgd`, PyTorch's DDP hook at rank 1 or 4: per bucket the uncompressed vectors, then P, then Q in "
+        "fp32, three chained ring all-reduces over all GPUs; the gradient's matrices assumed a GPT's, its "
+        "compute not priced). Everything else: this release's `\"topo_align\"` defaults.",
+    ]
+
+
+AUTO_LEGEND = (
+    "`method: auto`'s choice (sim/choose.py `choose_for_groups` with the cell's islands of 8, its slow tier as "
+    "the plan sees it (bandwidth per GPU and latency), the gradient per GPU, the compute per step and the "
+    "defaults above): hier. = `hierarchical` (every gradient, fp32 wire), int8 = every gradient on the int8 "
+    "wire (what column S runs), local N = the LOCAL class reconciled every N steps (capped: at the longest "
+    "interval the choice takes); then the choice's step, priced on the cell's fabric, over the fastest "
+    "column's. Bold: within 1% of the fastest (auto agrees with the map); else the fastest in brackets.")
+
+
+def render(cells: list[Cell], opt: SimOptions, command: str = COMMAND) -> str:
+    islands = list(dict.fromkeys(c.islands for c in cells))
+    gbits = list(dict.fromkeys(c.gbit for c in cells))
+    at = {(c.islands, c.gbit): c for c in cells}
+    cols = "| islands (GPUs) | " + " | ".join(f"{g:g} Gbit/s" for g in gbits) + " |"
+    sep = "\n|---|" + "---:|" * len(gbits)
+    out = _intro(cells, opt, command) + [
         "",
         "Winner by predicted step time, then its step time; in brackets the runner-up and its step time "
-        "over the winner's. H = hierarchical, S = selective, P = post-local SGD; `H = S`: a tie (within 1%), "
-        "bold: one winner alone.",
+        "over the winner's. `H = S`: a tie (within 1%), all: the eight tie, bold: one winner alone.",
         "",
-        cols + "\n|---|" + "---:|" * len(gbits),
+        cols + sep,
     ]
     for n in islands:
         out.append(f"| {n} ({8 * n}) | " + " | ".join(_winner_cell(at[(n, g)]) for g in gbits) + " |")
-    out += ["", "Step time, seconds: hierarchical / selective / post-local SGD (compute alone: last column):",
-            "", cols + " compute |\n|---|" + "---:|" * (len(gbits) + 1)]
+    if all(c.auto for c in cells):
+        out += ["", AUTO_LEGEND, "", cols + sep]
+        for n in islands:
+            out.append(f"| {n} ({8 * n}) | " + " | ".join(_auto_cell(at[(n, g)]) for g in gbits) + " |")
+    heads = " | ".join(SHORT[k] for k in KEYS)
+    out += ["", "Step time, seconds (compute alone: last column):", "",
+            f"| islands (GPUs) | Gbit/s | {heads} | compute |\n|---|---:|" + "---:|" * (len(KEYS) + 1)]
     for n in islands:
-        row = [" / ".join(f"{at[(n, g)].step_s[k]:.1f}" for k in KEYS) for g in gbits]
-        out.append(f"| {n} ({8 * n}) | " + " | ".join(row) + f" | {at[(n, gbits[0])].compute_s:.1f} |")
-    out += ["", "Slow-tier bytes (everything leaving the island) per GPU and step, GB; the same at every link "
-            "speed:", "",
-            "| islands (GPUs) | hierarchical | selective | post-local SGD | selective / hier. | "
-            "post-local / hier. |\n|---|---:|---:|---:|---:|---:|"]
+        for g in gbits:
+            c = at[(n, g)]
+            out.append(f"| {n} ({8 * n}) | {g:g} | " + " | ".join(f"{c.step_s[k]:.1f}" for k in KEYS)
+                       + f" | {c.compute_s:.1f} |")
+    out += ["", "Slow-tier bytes (everything leaving the island) per GPU and step, GB, in brackets over "
+            "hierarchical's; the same at every link speed:", "",
+            f"| islands (GPUs) | {heads} |\n|---|" + "---:|" * len(KEYS)]
     for n in islands:
         b = _bytes(at, n, gbits)
-        out.append(f"| {n} ({8 * n}) | {b['hier2-b2b'] / 1e9:.1f} | {b['selective'] / 1e9:.1f} | "
-                   f"{b['localsgd'] / 1e9:.1f} | {b['selective'] / b['hier2-b2b']:.2f} | "
-                   f"{b['localsgd'] / b['hier2-b2b']:.2f} |")
+        h = b[KEYS[0]]
+        out.append(f"| {n} ({8 * n}) | {_gb(h)} | " + " | ".join(f"{_gb(b[k])} ({_ratio(b[k] / h)})" for k in KEYS[1:])
+                   + " |")
     out += ["", "Cells each algorithm wins (ties counted for every algorithm in them):", ""]
     for k in KEYS:
         won = [c for c in cells if k in c.winners]
         alone = [c for c in won if c.winners == [k]]
         where = ", ".join(f"{c.islands}@{c.gbit:g}" for c in alone) or "none"
-        out.append(f"- {NAMES[k]}: {len(won)} of {len(cells)} cells, {len(alone)} alone (islands@Gbit/s: {where})")
+        out.append(f"- {SHORT[k]} {NAMES[k]}: {len(won)} of {len(cells)} cells, {len(alone)} alone "
+                   f"(islands@Gbit/s: {where})")
+    if all(c.auto for c in cells):
+        agree = [c for c in cells if c.auto_agrees]
+        off = ", ".join(f"{c.islands}@{c.gbit:g}" for c in cells if not c.auto_agrees) or "none"
+        out.append(f"- `method: auto` within 1% of the fastest: {len(agree)} of {len(cells)} cells "
+                   f"(not in islands@Gbit/s: {off})")
     return "\n".join(out) + "\n"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}" if x >= 1e9 else f"{x / 1e9:.2g}"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.01 else f"{x:.1g}"
 
 
 def _bytes(at: dict, n: int, gbits: list) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 Every function takes the `Fabric`, the data-parallel groups (a k x m array: k groups of m ranks that
 reduce at the same time, e.g. one per TP x PP position) and the gradient size per rank, and returns a
-`CommCost`: the phases of one step, split into streams that buckets are cut from (overlap.py).
+`CommCost`: the phases of one step, split into streams that buckets are cut from (overlap.py). The
+peers' algorithms (post-local SGD, DiLoCo, PowerSGD) are in peers.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .model import SIM_TIERS, Fabric, Phase, SimError, combine, ring_phase
 
 __all__ = [
     "NotApplicable", "ALGORITHMS", "Stream", "CommCost", "SelectiveSpec",
-    "flat_ring", "double_binary_tree", "hierarchical_2level", "hierarchical_3level", "selective", "local_sgd",
+    "flat_ring", "double_binary_tree", "hierarchical_2level", "hierarchical_3level", "selective",
     "split_groups", "three_level_groups",
 ]
 
@@ -30,7 +31,10 @@ ALGORITHMS: dict[str, str] = {
     "hier3-b2b": "3-level hier., back-to-back",
     "selective": "Selective (SYNC hier. + LOCAL in group)",
     "localsgd": "Post-local SGD (grads in group, params averaged every H)",
+    "diloco": "DiLoCo (grads in group, fp32 pseudo-gradient over rails every H)",
+    "powersgd": "PowerSGD (rank-r P and Q, flat ring over all ranks)",
 }
+"""The peers (``localsgd``, ``diloco``, ``powersgd``: sim/peers.py) are priced only when asked for."""
 
 
 class NotApplicable(SimError):
@@ -360,21 +364,3 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
             p.latency_s *= spec.stream_fragments / h
     return CommCost("selective", ALGORITHMS["selective"], streams, background,
                     background_blocking=not spec.async_reconcile)
-
-
-def local_sgd(fab: Fabric, groups: np.ndarray, elements: float, grad_bytes: float, param_bytes: float,
-              period: int, group_by: str = "island") -> CommCost:
-    """Post-local SGD (PyTorch's post_localSGD_hook + a one-level HierarchicalModelAverager), after
-    its warm-up:
-      1. every step, a ring all-reduce of the gradient inside each intra group (the DDP subgroup);
-      2. every ``period`` steps, a ring all-reduce of the parameters over the whole data-parallel
-         group, blocking (the averager runs after the optimizer step), charged 1/period per step.
-    """
-    if not (isinstance(period, int) and period >= 1):
-        raise SimError(f"post-local SGD period = {period!r}; expected an integer >= 1")
-    intra, _ = split_groups(fab, groups, group_by)
-    stream = Stream("grad", 1.0, [ring_phase(fab, intra, elements * grad_bytes, "allreduce", "intra all-reduce")],
-                    True)
-    avg = ring_phase(fab, groups, elements * param_bytes, "allreduce", "parameter all-reduce").scaled(1.0 / period)
-    avg.latency_s /= period
-    return CommCost("localsgd", ALGORITHMS["localsgd"], [stream], [avg], background_blocking=True)

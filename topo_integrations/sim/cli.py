@@ -76,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per sample, with --deepspeed-config's train_batch_size (default {DEFAULT_SEQ_LENGTH})")
     o = p.add_argument_group("algorithms and modes")
     o.add_argument("--algorithms", default=",".join(_D.algorithms),
-                   help=f"comma list of {', '.join(ALGORITHMS)} (default: all but localsgd)")
+                   help=f"comma list of {', '.join(ALGORITHMS)} "
+                        "(default: all but the peers localsgd, diloco and powersgd)")
     o.add_argument("--rank-order", choices=list(RANK_ORDERS), default="leaf",
                    help="leaf: hosts grouped by leaf; scattered: seeded random host order; file: as written")
     o.add_argument("--seed", type=int, default=0, help="seed of the scattered order")
@@ -119,6 +120,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {_D.moments_dtype})")
     o.add_argument("--localsgd-period", type=int,
                    help=f"localsgd: steps between parameter averagings (default {_D.localsgd_period})")
+    o.add_argument("--diloco-period", type=int,
+                   help=f"diloco: steps H between pseudo-gradient syncs across islands (default {_D.diloco_period})")
+    o.add_argument("--powersgd-rank", type=int,
+                   help=f"powersgd: rank of the low-rank approximation (default {_D.powersgd_rank}; "
+                        "needs --num-layers)")
     o.add_argument("--async-reconcile", dest="async_reconcile", action="store_true", default=None)
     o.add_argument("--sync-reconcile", dest="async_reconcile", action="store_false")
     out = p.add_argument_group("output")
@@ -157,7 +163,8 @@ def options_and_workload(args: argparse.Namespace) -> tuple[Workload, SimOptions
            "rank_order": args.rank_order, "seed": args.seed}
     for flag in ("group_by", "bucket_mb", "inter_dtype", "top_fraction", "last_n_layers", "last_n_share",
                  "promote_fraction", "sync_dtype", "local_dtype", "reconcile_dtype", "reconcile_interval",
-                 "moments_interval", "moments_dtype", "localsgd_period", "async_reconcile"):
+                 "moments_interval", "moments_dtype", "localsgd_period", "diloco_period", "powersgd_rank",
+                 "async_reconcile"):
         v = getattr(args, flag, None)
         if v is not None:
             okw[flag] = v

@@ -17,17 +17,19 @@ from .algorithms import (
     flat_ring,
     hierarchical_2level,
     hierarchical_3level,
-    local_sgd,
     selective,
     split_groups,
 )
 from .model import DTYPE_BYTES, RANK_ORDERS, SIM_TIERS, Fabric, SimError, apply_rank_order, dtype_bytes
 from .overlap import bucket_timeline
+from .peers import diloco, local_sgd, powersgd
 from .workload import Workload, dp_groups
 
 __all__ = ["SimOptions", "Row", "SimResult", "simulate", "options_from_block"]
 
 MIB = 1024 * 1024
+PEERS = ("localsgd", "diloco", "powersgd")
+"""Other systems' algorithms (sim/peers.py), priced only when asked for."""
 
 
 def _default(section, name: str):
@@ -37,8 +39,8 @@ def _default(section, name: str):
 
 @dataclass(frozen=True)
 class SimOptions:
-    algorithms: tuple[str, ...] = tuple(k for k in ALGORITHMS if k != "localsgd")
-    """Priced algorithms; post-local SGD (``localsgd``, a peer) only when asked for."""
+    algorithms: tuple[str, ...] = tuple(k for k in ALGORITHMS if k not in PEERS)
+    """Priced algorithms; the peers (``localsgd``, ``diloco``, ``powersgd``: sim/peers.py) only when asked for."""
     rank_order: str = "leaf"
     seed: int = 0
     bucket_mb: float | str = _default(CommunicationConfig, "bucket_size_mb")
@@ -70,6 +72,11 @@ class SimOptions:
     async_reconcile: bool = _default(LocalConfig, "async_reconcile")
     localsgd_period: int = 4
     """Post-local SGD (``localsgd``): parameters averaged over all ranks every this many steps."""
+    diloco_period: int = 16
+    """DiLoCo (``diloco``): the fp32 pseudo-gradient all-reduced across islands every this many steps (H)."""
+    powersgd_rank: int = 4
+    """PowerSGD (``powersgd``): the rank r of its low-rank approximation (PyTorch's
+    ``matrix_approximation_rank``)."""
 
     def validate(self) -> None:
         bad = [a for a in self.algorithms if a not in ALGORITHMS]
@@ -89,7 +96,7 @@ class SimOptions:
             dtype_bytes(self.inter_dtype, "inter_dtype")
         if isinstance(self.last_n_layers, bool) or not isinstance(self.last_n_layers, int) or self.last_n_layers < 0:
             raise SimError(f"last_n_layers = {self.last_n_layers!r}; expected an integer >= 0")
-        for what in ("moments_interval", "localsgd_period"):
+        for what in ("moments_interval", "localsgd_period", "diloco_period", "powersgd_rank"):
             v = getattr(self, what)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SimError(f"{what} = {v!r}; expected an integer >= 1")
@@ -190,6 +197,11 @@ def _cost(key: str, fab: Fabric, groups, wl: Workload, opt: SimOptions, spec: Se
     if key == "localsgd":
         return local_sgd(fab, groups, wl.grad_elements, DTYPE_BYTES[wl.grad_dtype], DTYPE_BYTES["fp32"],
                          opt.localsgd_period, group_by=opt.group_by)
+    if key == "diloco":
+        return diloco(fab, groups, wl.grad_elements, DTYPE_BYTES[wl.grad_dtype], opt.diloco_period,
+                      group_by=opt.group_by)
+    if key == "powersgd":
+        return powersgd(fab, groups, wl.grad_elements, wl.params, wl.num_layers, opt.powersgd_rank)
     raise SimError(f"algorithm {key!r}; expected one of {list(ALGORITHMS)}")
 
 
@@ -226,7 +238,7 @@ def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: 
 
 
 # The algorithms the plugin runs (its engine resolves `auto` buckets); the rest are references
-# (stock DDP / NCCL: 25 MiB buckets) and the post-local SGD peer.
+# (stock DDP / NCCL: 25 MiB buckets) and the peers (PEERS, DDP's 25 MiB too).
 PLUGIN_KEYS = ("hier2-b2b", "hier3-b2b", "selective")
 
 
