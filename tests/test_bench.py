@@ -505,6 +505,9 @@ def test_powersgd_bf16_hierarchical_and_auto_peers():
         cfg = TopoAlignConfig.model_validate(topo_block({**spec, "system": key}, mode, async_reconcile=True))
         assert cfg.mode == mode and key in TOPO_KEYS and key in SYSTEMS and not SYSTEMS[key].default
     assert cfg.method == "auto" and "reconcile_interval" not in cfg.local.model_fields_set
+    # auto chooses on the tiers it measures (host names and the probe), not on the preset's file
+    assert (cfg.topology.source, cfg.topology.probe, cfg.topology.file, cfg.topology.group_by) == \
+        ("auto", True, None, "island")
     assert SYSTEMS["ddp-powersgd-r1"].label == "PyTorch DDP + PowerSGD hook (rank 1)"
 
 

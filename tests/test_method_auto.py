@@ -180,6 +180,7 @@ def _rank_main(rank: int, world: int) -> dict:
     out["real"] = [(r["method"], r["dtype"]) for r in rec]
     out["real_events"] = [(e["step"], e["method"], e["reconcile_interval"]) for e in red.engine.method.events]
     out["real_line"] = red.engine.method.events[0]["line"]
+    out["stats_line"] = red.engine.stats()["method_line"]
     red.close()
 
     # 2. A LOCAL class (H 2) from DP position 0's (forced) choice, then back to the exact method by a
@@ -323,6 +324,7 @@ def test_every_rank_takes_position_0s_choice_at_the_same_step(world):
     assert "figures: 2 groups of 2 ranks; slow tier " in line
     assert "(timed over steps 2-5)" in line
     assert all(r["real_line"] is None for r in world[1:])  # only position 0 chose, and logged
+    assert world[0]["stats_line"] == line and all(r["stats_line"] is None for r in world[1:])
     assert world[0]["lines"][0] == line and not any(r["lines"] for r in world[1:])
 
 

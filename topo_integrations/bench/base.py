@@ -96,7 +96,8 @@ def engine_info(st: dict, cfg) -> dict:
     from ..config import Mode
 
     total = st["sync_elements"] + st["local_elements"]
-    return {"mode": st["mode"], "method": st.get("method"), "fallback_reason": st.get("fallback_reason"),
+    return {"mode": st["mode"], "method": st.get("method"), "method_line": st.get("method_line"),
+            "fallback_reason": st.get("fallback_reason"),
             "sync_fraction": st["sync_elements"] / max(1, total), **reconcile_info(cfg),
             "reconciles": (st["optimizer_steps"] // cfg.local.reconcile_interval
                            if st["mode"] == Mode.SELECTIVE else 0),

@@ -249,9 +249,11 @@ TOPO_MODES: dict[str, str] = {
 }
 """The ``topo_align.mode`` each topo-align system runs (trainers.build)."""
 TOPO_KEYS: dict[str, dict] = {"topo-hier-bf16": {"communication": {"inter_dtype": "bf16"}},
-                              "topo-auto": {"method": "auto"}}
+                              "topo-auto": {"method": "auto", "topology": {"source": "auto", "probe": True}}}
 """Keys of a system's block beside its mode: hierarchical on a bf16 wire (the slow-tier bytes of
-FSDP2 HSDP with bf16 reduction); `method: auto` (docs/costmodel.md, section 6)."""
+FSDP2 HSDP with bf16 reduction); `method: auto` (docs/costmodel.md, section 6) on the tiers it
+measures, as a user without declared link rates runs it: host names and the probe, not the preset's
+topology file (whose rates the bench's shaping may not match, e.g. with --uplink-mbit)."""
 
 
 def topo_block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
@@ -266,8 +268,14 @@ def topo_block(spec: dict, mode: str, *, async_reconcile: bool) -> dict:
         "enabled": True, "mode": mode,
         "topology": {"source": "file", "file": spec["topology_file"], "group_by": spec["group_by"],
                      "middle_level": bool(spec.get("middle_level", False))},
-        **copy.deepcopy(TOPO_KEYS.get(spec.get("system", ""), {})),
     }
+    for section, value in copy.deepcopy(TOPO_KEYS.get(spec.get("system", ""), {})).items():
+        if isinstance(value, dict):
+            block.setdefault(section, {}).update(value)
+        else:
+            block[section] = value
+    if block["topology"]["source"] != "file":
+        block["topology"].pop("file")
     ours = {"sync.last_n_layers": spec["sync_last_n_layers"], "local.async_reconcile": async_reconcile}
     if spec.get("reconcile_interval"):  # --reconcile-interval; else topo-align's own default
         ours["local.reconcile_interval"] = spec["reconcile_interval"]

@@ -468,6 +468,9 @@ class Engine:
             "schedule": self.schedule_summary(),
             "adaptive_level": None if self.adaptive is None else self.adaptive.level,
             "method": None if self.method is None else self.method.method,
+            # `method: auto`'s latest log line (DP position 0; None elsewhere and while timing)
+            "method_line": next((ev["line"] for ev in reversed(self.method.events) if ev["line"]), None)
+            if self.method is not None else None,
         })
         return out
 
