@@ -17,6 +17,7 @@ where each comes from:
                                                  ``layouts_table``)
   docs/convergence.md            two-group       docs/data/convergence-islands/results.json
   docs/convergence.md            local-h         docs/data/convergence-local-h/results.json
+  docs/convergence.md            local-lean      docs/data/convergence-local-lean/results.json
   docs/convergence.md            ablation        docs/data/convergence-ablation/results.json, with
                                                  the default and flat runs of convergence-islands
   docs/costmodel.md              bench-check     ``topo-align simulate --bench docs/data/bench-2x2-long.json``
@@ -286,6 +287,8 @@ def blocks() -> list[tuple[Path, str, str, str]]:
         (CONV, "two-group", "docs/data/convergence-islands", "\n".join(conv.layouts_table(islands)[2:]).rstrip()),
         (CONV, "local-h", "docs/data/convergence-local-h",
          "\n".join(conv.layouts_table(_load("convergence-local-h"))[2:]).rstrip()),
+        (CONV, "local-lean", "docs/data/convergence-local-lean",
+         "\n".join(conv.layouts_table(_load("convergence-local-lean"))[2:]).rstrip()),
         (CONV, "ablation", "docs/data/convergence-ablation and convergence-islands",
          "\n".join(conv.ablation_table(islands + _load("convergence-ablation"), ABLATION_RUNS))),
         (COST, "bench-check", "topo-align simulate --bench docs/data/bench-2x2-long.json",
