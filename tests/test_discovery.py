@@ -141,8 +141,29 @@ def test_probe_groups_and_measured_tiers():
     m = with_measured(topo, {"leaf": (0.5, "probe")})
     assert (m.tiers["leaf"].bandwidth_gbps, m.tiers["leaf"].origin) == (0.5, "measured")
     assert m.tiers["island"].origin == "nvlink"
+    assert m.tiers["leaf"].latency_us == topo.tiers["leaf"].latency_us  # none measured: the tier's own
+    m = with_measured(topo, {"leaf": (0.5, "probe", 120.0)})
+    assert (m.tiers["leaf"].bandwidth_gbps, m.tiers["leaf"].latency_us) == (0.5, 120.0)
     with pytest.raises(TopologyError, match="probe: tier leaf measured 0.0 GB/s"):
         with_measured(topo, {"leaf": (0.0, "probe")})
+    with pytest.raises(TopologyError,
+                       match=r"^probe: tier leaf measured a latency of -1.0 us; expected a number >= 0$"):
+        with_measured(topo, {"leaf": (0.5, "probe", -1.0)})
+
+
+def test_measured_bandwidth_and_latency_of_the_slowest_group():
+    from topo_integrations.reducer.plan.discover import PROBE_ITERS, _measured
+
+    groups = {"leaf": [[0, 2], [1, 3]]}
+    # seconds per rank: (1 MiB all-reduce, 1-element all-reduce); rank 3 is the slow member
+    secs = {0: {"leaf": (0.01, 2e-4)}, 2: {"leaf": (0.01, 2e-4)}, 1: {"leaf": (0.01, 2e-4)},
+            3: {"leaf": (0.02, 6e-4)}}
+    bw, how, lat = _measured(groups, secs, 2**20)["leaf"]
+    assert bw == pytest.approx(2 * 1 / 2 * 2**20 / 0.02 / 1e9)  # the group {1, 3}, as slow as rank 3
+    assert lat == pytest.approx(6e-4 / 2 * 1e6)  # one step of a 2-rank ring: 2(n-1) = 2 steps
+    assert how.startswith(f"median of {PROBE_ITERS} all-reduces of 1 MiB (latency: fastest of {PROBE_ITERS} "
+                          "1-element ones)")
+    assert how.endswith("slowest of 2 group(s): global ranks 1, 3")
 
 
 def test_capture_writes_a_tree_that_replays_the_same_node(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TOPO_2X2 = ROOT / "configs" / "topologies" / "virtual-2x2.json"
 LEAF_GBPS = 0.0125  # virtual-2x2: leaf.bandwidth_gbps (200 Mbit/s uplink shared by 2 ranks)
+LEAF_US = 500.0  # virtual-2x2: leaf.latency_us, node to node one way (emulate/layout.py: half per end)
 
 
 def worker(out: str) -> int:
@@ -66,9 +67,13 @@ def test_probe_measures_the_shaped_uplink_and_the_plan_uses_it(tmp_path):
                         port=random.randint(30000, 45000))
     assert res.exit_code == 0, res.reason
     plan = json.loads(out.read_text())
-    print(f"measured leaf {plan['inter_bandwidth_gbps']:.5g} GB/s, island {plan['intra_bandwidth_gbps']:.4g} GB/s")
+    print(f"measured leaf {plan['inter_bandwidth_gbps']:.5g} GB/s, {plan['inter_latency_us']:.4g} us; "
+          f"island {plan['intra_bandwidth_gbps']:.4g} GB/s, {plan['intra_latency_us']:.4g} us")
     assert plan["inter_tier"] == "leaf" and plan["inter_origin"] == "measured"
     assert abs(plan["inter_bandwidth_gbps"] - LEAF_GBPS) <= 0.3 * LEAF_GBPS, plan["inter_bandwidth_gbps"]
+    # a 2-rank all-reduce of 1 element crosses the link at least once: its 2 ring steps hold the
+    # shaped one-way delay, so each holds about half of it (the fastest of 5: load only adds)
+    assert plan["inter_latency_us"] >= LEAF_US / 4, plan["inter_latency_us"]
     assert plan["intra_origin"] == "measured"
     # loopback inside a node is far faster than the shaped uplink: the plan groups by node
     assert plan["hierarchical"] and plan["intra_groups"] == [[0, 1], [2, 3]]

@@ -148,14 +148,18 @@ def topology_from_facts(facts: Sequence[NodeFacts], *, name: str = "discovered",
     return replace(topo, tiers=tiers, gpu=gpu, nodes=tuple(per_host.values()), warnings=tuple(warnings))
 
 
-def with_measured(topo: Topology, measured: dict[str, tuple[float, str]]) -> Topology:
-    """``topo`` with the tiers in ``measured`` (name -> (GB/s per GPU, how)) replaced, origin measured.
+def with_measured(topo: Topology, measured: dict[str, tuple]) -> Topology:
+    """``topo`` with the tiers in ``measured`` (name -> (GB/s per GPU, how) or (GB/s per GPU, how,
+    latency in us)) replaced, origin measured; without a measured latency the tier keeps its own.
     A measured spine keeps no oversubscription (the measurement already includes it)."""
     new = {}
-    for t, (gbps, how) in measured.items():
+    for t, (gbps, how, *lat) in measured.items():
         if not gbps > 0:
             raise TopologyError(f"probe: tier {t} measured {gbps!r} GB/s; expected a positive bandwidth")
-        new[t] = Tier(t, gbps, topo.tiers[t].latency_us, 1.0, origin="measured", detail=how)
+        latency = lat[0] if lat else topo.tiers[t].latency_us
+        if not latency >= 0:
+            raise TopologyError(f"probe: tier {t} measured a latency of {latency!r} us; expected a number >= 0")
+        new[t] = Tier(t, gbps, latency, 1.0, origin="measured", detail=how)
     return topo.with_tiers(**new)
 
 

@@ -103,13 +103,15 @@ def _timed(t: torch.Tensor, group, cuda: bool) -> float:
 
 
 def probe_tiers(groups_by_tier: dict[str, list[list[int]]], timeout_s: float,
-                backend: str) -> dict[str, float]:
-    """Median seconds of PROBE_ITERS all-reduces of PROBE_BYTES in my group of each tier.
+                backend: str) -> dict[str, tuple[float, float]]:
+    """Per tier, in my group of it: median seconds of PROBE_ITERS all-reduces of PROBE_BYTES, and the
+    fastest of PROBE_ITERS 1-element all-reduces (the latency).
 
     Phases: 1. every rank of the job creates every probe group, tier by tier, in the given order
     (`new_group` is collective over the world); 2. per tier, the members of each group time a warm-up
-    and PROBE_ITERS all-reduces, a 1-element all-reduce fencing each so the members start together
-    (the groups of a tier run at the same time, sharing NICs as training does); 3. groups destroyed.
+    and PROBE_ITERS rounds of: a 1-element all-reduce fencing the round so the members start
+    together, a timed 1-element all-reduce, a timed PROBE_BYTES one (the groups of a tier run at the
+    same time, sharing NICs as training does); 3. groups destroyed.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     me = dist.get_rank()
@@ -131,16 +133,18 @@ def probe_tiers(groups_by_tier: dict[str, list[list[int]]], timeout_s: float,
             try:
                 buf, fence = torch.zeros(numel, device=device), torch.zeros(1, device=device)
                 _timed(buf, pg, cuda)
-                times = []
+                times, small = [], []
                 for _ in range(PROBE_ITERS):
                     _timed(fence, pg, cuda)
+                    small.append(_timed(fence, pg, cuda))  # the members left the fence together
                     times.append(_timed(buf, pg, cuda))
             except Exception as exc:  # noqa: BLE001 - named, with the group and the time waited
                 raise TopologyError(
                     f"topo_align: topology.probe: all_reduce on the {tier} tier group (global ranks {_short(ranks)}) "
                     f"failed after {time.perf_counter() - t0:.1f} s (timeout {timeout_s:g} s; this is global rank "
                     f"{me}): {type(exc).__name__}: {exc}") from exc
-            out[tier] = statistics.median(times)
+            # latency: the fastest round (a floor: scheduling and queueing only add to it)
+            out[tier] = (statistics.median(times), min(small))
     finally:
         for pg in made:
             try:
@@ -150,22 +154,26 @@ def probe_tiers(groups_by_tier: dict[str, list[list[int]]], timeout_s: float,
     return out
 
 
-def _measured(groups_by_tier: dict[str, list[list[int]]], seconds: dict[int, dict[str, float]],
-              nbytes: int) -> dict[str, tuple[float, str]]:
-    """Bus bandwidth per tier (as nccl-tests: 2(n-1)/n x bytes / time) of its slowest group; a group
-    is as slow as its slowest member."""
+def _measured(groups_by_tier: dict[str, list[list[int]]], seconds: dict[int, dict[str, tuple[float, float]]],
+              nbytes: int) -> dict[str, tuple[float, str, float]]:
+    """Per tier, of its slowest group (a group is as slow as its slowest member): the bus bandwidth
+    (as nccl-tests: 2(n-1)/n x bytes / time) and the latency of one step of a ring all-reduce (the
+    1-element all-reduce's time over its 2(n-1) steps, as the cost model prices a ring: sim/model.py),
+    the latter bandwidth-free (8 bytes), so it holds the fabric's and the library's per-message cost."""
     out = {}
     for tier, groups in groups_by_tier.items():
-        best: tuple[float, list[int]] | None = None
+        best: tuple[float, list[int], float] | None = None
         for ranks in groups:
-            t = max(seconds[r][tier] for r in ranks)
+            t = max(seconds[r][tier][0] for r in ranks)
+            small = max(seconds[r][tier][1] for r in ranks)
             n = len(ranks)
             bw = 2 * (n - 1) / n * nbytes / t / 1e9
             if best is None or bw < best[0]:
-                best = (bw, ranks)
+                best = (bw, ranks, small / (2 * (n - 1)) * 1e6)
         if best is not None:
-            out[tier] = (best[0], f"median of {PROBE_ITERS} all-reduces of {nbytes / 2**20:g} MiB, slowest of "
-                                  f"{len(groups)} group(s): global ranks {_short(best[1])}")
+            out[tier] = (best[0], f"median of {PROBE_ITERS} all-reduces of {nbytes / 2**20:g} MiB (latency: fastest "
+                                  f"of {PROBE_ITERS} 1-element ones), slowest of {len(groups)} group(s): global ranks "
+                                  f"{_short(best[1])}", best[2])
     return out
 
 
