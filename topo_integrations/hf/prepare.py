@@ -118,12 +118,13 @@ def _after_prepare(accelerator, d: Decision, result: tuple) -> None:
                                                                      _attached_of(accelerator)])
         accelerator._topo_align_state_hooks = True
     rec = _DECISIONS.get(accelerator, {})
+    # `method: auto` may enter a LOCAL class after its timed steps: warn now, not after the switch
     if getattr(accelerator, "scaler", None) is not None and not rec.get("scaler_said") and any(
-            a.engine.selective and a.engine.sync_fraction() < 1 for a in mine):
+            a.engine.selective and (a.engine.sync_fraction() < 1 or a.engine.method is not None) for a in mine):
         rec["scaler_said"] = True
-        say("topo-align: fp16 with a GradScaler and a LOCAL class: each island finds its own overflows in its "
-            "LOCAL gradients, so the islands may skip different steps; use bf16 (no scaler) with a LOCAL class",
-            warning=True)
+        say("topo-align: fp16 with a GradScaler and a LOCAL class (or method auto, which may choose one): each "
+            "island finds its own overflows in its LOCAL gradients, so the islands may skip different steps; use "
+            "bf16 (no scaler) with a LOCAL class", warning=True)
 
 
 def _attached_of(accelerator) -> list[Attached]:
