@@ -22,6 +22,23 @@ NOT_FAST = ("multirank", "emulated", "slow")
 """Marks that keep a test out of the fast tier (pytest.ini declares them)."""
 
 
+def pytest_configure(config):
+    # `scripts/test.sh` runs the suite on two pytest-xdist workers (-n 2 --dist loadfile): a file's
+    # tests stay together, the shared 4-rank world's modules too, heaviest first (tests/_lanes.py).
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_Lanes(), "topo_align_lanes")
+
+
+class _Lanes:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from _lanes import FileLanes
+
+        return FileLanes(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(m) for m in NOT_FAST):

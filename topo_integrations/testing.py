@@ -54,11 +54,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     # Two cores for the whole world: one intra-op thread per rank avoids oversubscription stalls.
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size,
-            init_method=f"tcp://127.0.0.1:{port}",
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        tmo = datetime.timedelta(seconds=pg_timeout)
+        # A client of the store run_world holds: no rank binds a port of its own (see run_world).
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=tmo)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=tmo)
         out = fn(rank, world_size, *args)
         # Plain pickle copies tensors into the message: the queue's own pickler would pass them as
         # file descriptors that the parent can only open while this process lives (it may be gone).
@@ -122,10 +121,19 @@ def run_world(
     backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or ``backend``, e.g. nccl
-    with one GPU per rank); return results by rank."""
+    with one GPU per rank); return results by rank.
+
+    The rendezvous store is this process's, listening before any rank starts (on a port the kernel
+    picks): a port chosen free and bound later by rank 0 could be taken in between (by a
+    connection, or by another world: the suite runs two test workers), and the ranks of another
+    world could join this one's rendezvous."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=pg_timeout or timeout))
+    port = store.port
     procs = [
         ctx.Process(
             target=_entry,
