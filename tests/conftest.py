@@ -62,9 +62,12 @@ def _check_collectives(request):
 
 
 def _cpu_s() -> float:
-    # children: every process pytest waited for (rank processes, torchrun and its workers, commands)
+    # children: every process pytest waited for (torchrun and its workers, commands); the ranks of
+    # run_world are the fork server's children (topo_integrations.testing.server_cpu_s)
+    from topo_integrations.testing import server_cpu_s
+
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + server_cpu_s()
 
 
 def pytest_runtest_logstart(nodeid, location):
