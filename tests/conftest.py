@@ -45,6 +45,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fast)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _world_preload():
+    """run_world's fork server (one per test process, started by its first world) imports what the
+    suite's worlds import besides torch, once: megatron-core (2.5 CPU s a rank otherwise) and, where
+    its CPU accelerator is chosen (DS_ACCELERATOR, scripts/test.sh), DeepSpeed (0.9 s a rank)."""
+    from topo_integrations import testing
+
+    extra = ["megatron.core.parallel_state", "megatron.core.distributed"]
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        extra.append("deepspeed")
+    testing.PRELOAD.extend(m for m in extra if m not in testing.PRELOAD)
+    yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _check_collectives(request):
     declared = getattr(request.module, "pytestmark", [])

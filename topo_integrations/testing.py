@@ -42,7 +42,9 @@ def free_port() -> int:
 
 
 PRELOAD = ["torch", "torch.distributed", __name__]
-"""What the fork server imports once, before it forks ranks (see :func:`_context`)."""
+"""What the fork server imports once, when it starts, before it forks ranks (see :func:`_context`).
+A caller whose worlds import more may add to it before its first world (tests/conftest.py adds the
+frameworks); a module that is not installed is left out."""
 
 
 def _context():
