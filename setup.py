@@ -26,6 +26,8 @@ EXTRAS = {
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
+        # scripts/test.sh runs the suite on two workers (tests/_lanes.py schedules them).
+        "pytest-xdist>=3.6",
         "hypothesis>=6.100",
         # tests/test_lint.py runs `ruff check` with ruff.toml.
         "ruff>=0.17",

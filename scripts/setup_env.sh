@@ -18,7 +18,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # requirement (e.g. from deepspeed) would otherwise pull a multi-GB CUDA build.
   pip install -c constraints.txt "torch==2.13.0"
   pip install -c constraints.txt -e ".[all]" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -c "import torch, deepspeed, megatron.core, pydantic, pytest, transformers, accelerate" >/dev/null 2>&1 || {
+  "$VENV/bin/python" -c "import torch, deepspeed, megatron.core, pydantic, pytest, xdist, transformers, accelerate" >/dev/null 2>&1 || {
     echo "setup_env: install failed (see pip output above)" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

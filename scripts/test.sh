@@ -9,4 +9,7 @@ export DS_ACCELERATOR=cpu
 # tests/site/sitecustomize.py, in every interpreter the suite starts: torch.compile decorators compile
 # at first call, not at import (3 to 4 CPU seconds less per DeepSpeed or megatron-core process).
 export PYTHONPATH="$PWD/tests/site${PYTHONPATH:+:$PYTHONPATH}"
-exec .venv/bin/python -m pytest "$@"
+# Two pytest-xdist workers, a test file at a time each, heaviest first (tests/_lanes.py): one run in a
+# single process left a quarter of the two cores idle while modules waited on links and timeouts.
+# TOPO_ALIGN_TEST_WORKERS=0 runs it in one process (pytest -s then shows the modules' prints).
+exec .venv/bin/python -m pytest -n "${TOPO_ALIGN_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -1,6 +1,6 @@
 """One 4-rank gloo world shared by the test modules that each used to start their own.
 
-Starting 4 ranks (spawn, ``import torch``, gloo rendezvous) and tearing them down costs far more on
+Starting 4 ranks (processes, their imports, gloo rendezvous) and tearing them down costs far more on
 the 2-core machine than most of the checks they run, so the modules listed in :data:`PARTS` run
 their rank function (``fn(rank, world)``, unchanged) one after the other inside one world, and each
 module's fixture takes its own part's per-rank results from :func:`results`.

@@ -22,10 +22,41 @@ NOT_FAST = ("multirank", "emulated", "slow")
 """Marks that keep a test out of the fast tier (pytest.ini declares them)."""
 
 
+def pytest_configure(config):
+    # `scripts/test.sh` runs the suite on two pytest-xdist workers (-n 2 --dist loadfile): a file's
+    # tests stay together, the shared 4-rank world's modules too, heaviest first (tests/_lanes.py).
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_Lanes(), "topo_align_lanes")
+
+
+class _Lanes:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from _lanes import FileLanes
+
+        return FileLanes(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(m) for m in NOT_FAST):
             item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _world_preload():
+    """run_world's fork server (one per test process, started by its first world) imports what the
+    suite's worlds import besides torch, once: megatron-core (2.5 CPU s a rank otherwise) and, where
+    its CPU accelerator is chosen (DS_ACCELERATOR, scripts/test.sh), DeepSpeed (0.9 s a rank)."""
+    from topo_integrations import testing
+
+    extra = ["megatron.core.parallel_state", "megatron.core.distributed"]
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        extra.append("deepspeed")
+    testing.PRELOAD.extend(m for m in extra if m not in testing.PRELOAD)
+    yield
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,9 +76,12 @@ def _check_collectives(request):
 
 
 def _cpu_s() -> float:
-    # children: every process pytest waited for (rank processes, torchrun and its workers, commands)
+    # children: every process pytest waited for (torchrun and its workers, commands); the ranks of
+    # run_world are the fork server's children (topo_integrations.testing.server_cpu_s)
+    from topo_integrations.testing import server_cpu_s
+
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + server_cpu_s()
 
 
 def pytest_runtest_logstart(nodeid, location):

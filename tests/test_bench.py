@@ -649,6 +649,22 @@ def test_measured_bytes_leave_the_evaluation_pauses_out():
 # ------------------------------------------------------------------------------ emulated
 
 _REASON = probe_unavailable_reason()
+BENCH_S = 400
+"""Bound of one emulated bench command (a failure's bound, not a speed target): ~45 s alone on the idle
+2-core machine, over 170 s beside the other test worker's ranks on a loaded one (scripts/test.sh -n 2)."""
+
+
+def _bench(args: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """Run ``python -m topo_integrations.bench ARGS``; killed (and reaped) when it outlives BENCH_S."""
+    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=BENCH_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc, stdout, stderr
 
 
 @pytest.fixture(scope="module")
@@ -657,11 +673,8 @@ def quick_run(tmp_path_factory):
         pytest.skip(f"emulated cluster unavailable: {_REASON}")
     out = tmp_path_factory.mktemp("bench")
     md = out / "benchmarks.md"
-    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--quick",
-                             "--systems", "ddp,fsdp2-topo-hier,ddp-powersgd-r4,fsdp2-hsdp", "--out-dir", str(out),
-                             "--markdown", str(md), "--img-dir", str(out / "img")],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = proc.communicate(timeout=170)
+    proc, stdout, stderr = _bench(["--quick", "--systems", "ddp,fsdp2-topo-hier,ddp-powersgd-r4,fsdp2-hsdp",
+                                   "--out-dir", str(out), "--markdown", str(md), "--img-dir", str(out / "img")])
     left = [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")]
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
     return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr, "results": results, "md": md, "out": out,
@@ -669,7 +682,7 @@ def quick_run(tmp_path_factory):
 
 
 @pytest.mark.emulated
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(BENCH_S + 20)
 def test_quick_bench_runs_both_systems(quick_run):
     assert quick_run["rc"] == 0, quick_run["stderr"][-2000:]
     assert [e["status"] for e in quick_run["results"]["systems"]] == ["ok"] * 4
@@ -677,7 +690,7 @@ def test_quick_bench_runs_both_systems(quick_run):
 
 
 @pytest.mark.emulated
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(BENCH_S + 20)
 def test_quick_bench_bytes_match_theory(quick_run):
     by = {e["key"]: e for e in quick_run["results"]["systems"]}
     # PowerSGD (issue 38): one DDP bucket, so gloo matches its chained all-reduces; plain for 2 steps, then factors
@@ -695,7 +708,7 @@ def test_quick_bench_bytes_match_theory(quick_run):
 
 
 @pytest.mark.emulated
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(BENCH_S + 20)
 def test_quick_bench_hierarchical_trains_like_ddp(quick_run):
     by = {e["key"]: e for e in quick_run["results"]["systems"]}
     a = by["ddp"]["result"]["losses"]
@@ -708,7 +721,7 @@ def test_quick_bench_hierarchical_trains_like_ddp(quick_run):
 
 
 @pytest.mark.emulated
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(BENCH_S + 20)
 def test_quick_bench_writes_report(quick_run):
     text = quick_run["md"].read_text()
     assert "<!-- bench:2x2-quick:begin -->" in text and "| PyTorch DDP |" in text
@@ -718,17 +731,15 @@ def test_quick_bench_writes_report(quick_run):
 
 
 @pytest.mark.emulated
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(BENCH_S + 20)
 def test_long_preset_smoke_equal_budget_and_curves(tmp_path):
     """The 2x2-long plumbing on a tiny GPT: ZeRO-0's 4 steps set selective's budget, validation every
     2 steps with the evaluations' bytes left out (one pause per intermediate evaluation)."""
     if _REASON:
         pytest.skip(f"emulated cluster unavailable: {_REASON}")
-    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--preset", "2x2-long", "--quick", "--steps", "4",
-                             "--eval-interval", "2", "--repeats", "1", "--no-comm-share",
-                             "--systems", "ds-zero0,topo-selective", "--out-dir", str(tmp_path)],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, stderr = proc.communicate(timeout=220)
+    proc, _, stderr = _bench(["--preset", "2x2-long", "--quick", "--steps", "4", "--eval-interval", "2",
+                              "--repeats", "1", "--no-comm-share", "--systems", "ds-zero0,topo-selective",
+                              "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, stderr[-2000:]
     assert [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")] == []
     ref, sel = json.loads((tmp_path / "results.json").read_text())["systems"]
@@ -743,17 +754,15 @@ def test_long_preset_smoke_equal_budget_and_curves(tmp_path):
 
 
 @pytest.mark.emulated
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(BENCH_S + 20)
 def test_three_level_bytes_per_tier_match_theory(tmp_path):
     """2 leaves x 2 nodes x 2 ranks, ``topology.middle_level``: the bytes counted on the emulated node
     uplinks and on the spine match the three-level schedule's theory within 10% on both cuts (the
     leaf-rail reduce-scatter crosses nodes: on gloo it must not move an all-reduce's bytes)."""
     if _REASON:
         pytest.skip(f"emulated cluster unavailable: {_REASON}")
-    proc = subprocess.Popen([PY, "-m", "topo_integrations.bench", "--preset", "2leaf8", "--quick", "--steps", "4",
-                             "--systems", "topo-hier", "--out-dir", str(tmp_path)],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, stderr = proc.communicate(timeout=220)
+    proc, _, stderr = _bench(["--preset", "2leaf8", "--quick", "--steps", "4", "--systems", "topo-hier",
+                              "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, stderr[-2000:]
     assert [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")] == []
     (e,) = json.loads((tmp_path / "results.json").read_text())["systems"]

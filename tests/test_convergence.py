@@ -24,7 +24,7 @@ from topo_integrations.reducer.classes.drift import DriftMonitor
 
 SCRIPTS = str(Path(__file__).resolve().parent.parent / "scripts")
 if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)  # spawned ranks inherit sys.path, so they import it too
+    sys.path.insert(0, SCRIPTS)  # the ranks get sys.path (run_world), so they import it too
 
 import convergence  # noqa: E402
 

@@ -136,7 +136,7 @@ def _built_gate(rank, world):
     return out
 
 
-@pytest.mark.multirank  # a world of one spawned rank
+@pytest.mark.multirank  # a world of one rank
 @pytest.mark.timeout(300)
 def test_the_gate_passes_on_built_megatron_objects():
     from topo_integrations.testing import run_world
