@@ -144,11 +144,10 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
            "after the timed steps, again only on a re-choice)"),
     ("reducer/adaptive/method.py", "MethodAuto._choose", ".tolist()"): (
         1, "the same broadcast choice, read as two host integers"),
-    ("reducer/adaptive/method.py", "MethodAuto._apply", ".cpu()"): (
-        1, "the importance ranking of a switch to a LOCAL class is made on the host, as at a class refresh "
-           "(at the switch only, after the blocking reconciliation)"),
     ("reducer/adaptive/method.py", "MethodAuto._apply", ".tolist()"): (
-        1, "the same ranking, as host floats for ClassPolicy.classify"),
+        1, "the importance ranking of a switch to a LOCAL class is made on the host, as at a class refresh: "
+           "the magnitudes agreed over the DP group (copied to the host inside the agreement) as host floats "
+           "for ClassPolicy.classify (at the switch only, after the blocking reconciliation)"),
     ("reducer/adaptive/adaptive.py", "AdaptiveController._probe.probe", ".synchronize()"): (
         1, "the adaptive probe times an all-reduce to completion (adaptive checks that want a probe only)"),
     ("reducer/schedule/dispatch.py", "Dispatcher.collect", ".wait()"): (
