@@ -46,6 +46,8 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 BENCH = DOCS / "benchmarks.md"
 ARCHIVE = DOCS / "benchmarks-archive.md"
+PEERS = DOCS / "benchmarks-peers.md"
+"""Issue 38's peers at three link speeds: its sections are tied to their data like the others."""
 CONV = DOCS / "convergence.md"
 COST = DOCS / "costmodel.md"
 DATA = DOCS / "data"
@@ -193,7 +195,7 @@ def bench_data_mismatches() -> list[str]:
     system's median step and measured cross-node bytes per step as the section prints them."""
     from topo_integrations.bench.fmt import fmt_bytes
 
-    secs = [s for page in (BENCH, ARCHIVE) for s in sections(page).values()]
+    secs = [s for page in (BENCH, ARCHIVE, PEERS) for s in sections(page).values()]
     bad = []
     for path in sorted(DATA.glob("bench-*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
