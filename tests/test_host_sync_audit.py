@@ -144,6 +144,9 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
            "after the timed steps, again only on a re-choice)"),
     ("reducer/adaptive/method.py", "MethodAuto._choose", ".tolist()"): (
         1, "the same broadcast choice, read as two host integers"),
+    ("reducer/adaptive/method.py", "MethodAuto._after_step_cuda", ".synchronize()"): (
+        1, "CUDA, once per run: the host waits for the last timed step's end event, so that the timed steps' "
+           "device times can be read for the method choice that follows"),
     ("reducer/adaptive/method.py", "MethodAuto._apply", ".tolist()"): (
         1, "the importance ranking of a switch to a LOCAL class is made on the host, as at a class refresh: "
            "the magnitudes agreed over the DP group (copied to the host inside the agreement) as host floats "

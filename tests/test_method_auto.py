@@ -114,6 +114,69 @@ def test_config_accepts_auto_with_its_own_values_and_every_adapter_takes_it():
         "chooses among settings of mode 'selective': remove it at ZeRO-3)")
 
 
+class _DeviceClock:
+    """Stands in for CUDA timing events (no GPU here): an event records the fake device clock; this
+    isolates MethodAuto's CUDA arithmetic (tests/test_reducer_cuda.py runs the real one on a GPU)."""
+
+    def __init__(self):
+        self.t = 0.0
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = clock.t
+
+            def elapsed_time(self, end):  # milliseconds, as CUDA's
+                assert self.at is not None and end.at is not None
+                return (end.at - self.at) * 1e3
+
+            def synchronize(self):
+                clock.synced += 1
+
+        self.Event, self.synced = Event, 0
+
+
+@pytest.mark.timeout(30)
+def test_on_cuda_the_compute_is_timed_on_the_device_less_the_streams_waits(monkeypatch):
+    """On CUDA the host does not block on a bucket (the stream waits), so the host clock would time
+    the enqueueing: each timed step is the time between events on the training stream, less that
+    stream's waits for the communication stream (event pairs the dispatcher records) and the host's
+    blocking waits; one host wait, when the steps are timed; none after."""
+    from types import SimpleNamespace
+
+    from topo_integrations.reducer.adaptive.method import TIMED_STEPS, MethodAuto
+    from topo_integrations.reducer.schedule.dispatch import Dispatcher
+
+    dev = _DeviceClock()
+    monkeypatch.setattr(torch.cuda, "Event", dev.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    d = SimpleNamespace(cuda=True, device=None, device_waits=None, waited_s=0.0)
+    engine = SimpleNamespace(dispatcher=d, step=0, cfg=SimpleNamespace(explicit_keys=lambda: []))
+    m = MethodAuto(engine)
+    chosen = []
+    monkeypatch.setattr(m, "_choose",
+                        lambda compute_from, scale, why="": chosen.append((compute_from, list(m.samples))))
+    for step in range(1, 8):
+        engine.step = step
+        dev.t += 0.1 * step  # compute (step-dependent, so a misassigned interval shows)
+        start = Dispatcher._stream_mark(d)  # the training stream waits 0.05 s for a bucket
+        dev.t += 0.05
+        Dispatcher._stream_waited(d, start)
+        d.waited_s += 0.01  # and the host blocks on a control value
+        dev.t += 0.01
+        m.after_step()
+        if chosen:
+            m.method = "int8"  # what _choose would set
+    assert chosen == [(f"timed over steps 2-{TIMED_STEPS + 1}, on the device",
+                       pytest.approx([0.1 * s for s in range(2, TIMED_STEPS + 2)]))]
+    assert dev.synced == 1 and d.device_waits is None  # one host wait; nothing recorded after
+    assert Dispatcher._stream_mark(d) is None
+
+
 def test_simulate_prints_the_choice(capsys):
     from topo_integrations.sim.cli import main
 

@@ -61,7 +61,35 @@ def _rank_main(rank, world):
         red.verify_consistency()
         out[mode] = {"worst": worst, "same": same_on(list(range(world)), flat_params(model).cuda())}
         red.close()
+    out["auto"] = _method_auto_cuda(rank, world, g)
     return out
+
+
+def _method_auto_cuda(rank, world, g):
+    """`method: auto` on CUDA: the compute of steps 2-5 timed between events on the training stream,
+    less its waits for the communication stream (the host never blocks on a bucket there)."""
+    from topo_integrations.config import TopoAlignConfig
+    from topo_integrations.torch import GroupedReducer
+
+    from test_reducer_modes import flat_params, make, same_on
+
+    model = make(1).cuda()
+    cfg = TopoAlignConfig.model_validate({"mode": "selective", "method": "auto", "topology": {"source": "hostnames"},
+                                          "communication": {"bucket_size_mb": 0.001}, "fallback": {"timeout_s": 60.0}})
+    red = GroupedReducer(model, cfg, groups=g)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for s in range(6):
+        opt.zero_grad(set_to_none=True)
+        loss_of_cuda(model, s, rank).backward()
+        red.finish_grad_sync()
+        opt.step()
+        red.after_optimizer_step(opt)
+    m = red.engine.method
+    res = {"method": m.method, "samples": list(m.samples), "line": m.events[0].get("line") if m.events else None,
+           "timing_off": red.engine.dispatcher.device_waits is None,
+           "same": same_on(list(range(world)), flat_params(model).cuda())}
+    red.close()
+    return res
 
 
 def loss_of_cuda(model, step, rank):
@@ -80,6 +108,10 @@ def test_cuda_streams_path():
     for r in res:
         assert r["hierarchical"]["worst"] <= 1e-5
         assert r["hierarchical"]["same"] and r["selective"]["same"]
+        a = r["auto"]
+        assert a["method"] == res[0]["auto"]["method"] is not None and a["timing_off"], a
+        assert len(a["samples"]) == 4 and all(t > 0 for t in a["samples"]), a  # device times, not enqueueing
+    assert "(timed over steps 2-5, on the device)" in res[0]["auto"]["line"], res[0]["auto"]
 
 
 def _nccl_main(rank, world):

@@ -12,7 +12,11 @@ renewed after a switch (regroup.py ``renew_controller``): its levels depend on t
 
 Phases of a choice (every rank calls :meth:`MethodAuto.after_step` at the same steps):
   1. steps 2 .. ``TIMED_STEPS + 1``: compute per step = wall time of the step minus the time the
-     caller blocked on the engine's collectives (the first step is a warm-up);
+     caller blocked on the engine's collectives (the first step is a warm-up). On CUDA the host runs
+     ahead of the device and does not block on a bucket, so the host clock would time the
+     enqueueing: the step is timed between timing events on the training stream, less that stream's
+     waits for the communication stream (event pairs the dispatcher records meanwhile) and the host's
+     blocking waits; the host waits once, for the last event, when the steps are timed;
   2. DP position 0 predicts every candidate (``choose_for_groups``: its plan's groups and slow tier,
      the gradient, the median compute) and logs the one line;
   3. it broadcasts ``[candidate, H]`` over the DP group; every rank applies it (the same classes: the
@@ -63,7 +67,10 @@ class MethodAuto:
         self.samples: list[float] = []
         self.events: list[dict] = []
         """Every choice: step, method, H and (DP position 0) the log line."""
-        self._mark: tuple[float, float] | None = None
+        self._mark: tuple | None = None
+        """The latest step end: (host clock or CUDA timing event, the dispatcher's ``waited_s``)."""
+        self._timed: list[tuple] = []
+        """CUDA: per timed step (start event, end event, stream waits, host-blocked seconds)."""
         self.local_only = sorted(k for k in engine.cfg.explicit_keys() if k.startswith(LOCAL_CLASS_KEYS))
         """LOCAL-class keys the user set: they mean a LOCAL class (docs/costmodel.md, section 6)."""
 
@@ -73,6 +80,9 @@ class MethodAuto:
         """Time this step; choose once ``TIMED_STEPS`` steps are timed (collective over the DP group)."""
         if self.method is not None:
             return
+        if self.engine.dispatcher.cuda:
+            self._after_step_cuda(self.engine.dispatcher)
+            return
         now, waited = time.perf_counter(), self.engine.dispatcher.waited_s
         if self._mark is not None:
             self.samples.append(max(0.0, (now - self._mark[0]) - (waited - self._mark[1])))
@@ -81,6 +91,23 @@ class MethodAuto:
             self._choose(f"timed over steps {first}-{self.engine.step}", None)
         else:
             self._mark = (time.perf_counter(), self.engine.dispatcher.waited_s)
+
+    def _after_step_cuda(self, d) -> None:
+        """:meth:`after_step` on CUDA (phase 1 of the module docstring)."""
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(d.device))
+        if self._mark is not None:
+            self._timed.append((self._mark[0], ev, d.device_waits or [], d.waited_s - self._mark[1]))
+        d.device_waits = []
+        if len(self._timed) < TIMED_STEPS:
+            self._mark = (ev, d.waited_s)
+            return
+        ev.synchronize()  # once: every timed step's events have landed
+        self.samples = [max(0.0, (a.elapsed_time(b) - sum(x.elapsed_time(y) for x, y in waits)) / 1e3 - host)
+                        for a, b, waits, host in self._timed]
+        self._timed, d.device_waits = [], None
+        first = self.engine.step - TIMED_STEPS + 1
+        self._choose(f"timed over steps {first}-{self.engine.step}, on the device", None)
 
     def _inputs(self, compute_from: str) -> MethodInputs:
         e = self.engine

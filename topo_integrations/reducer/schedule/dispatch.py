@@ -112,6 +112,10 @@ class Dispatcher:
         self.waited_s = 0.0
         """Seconds callers blocked in :meth:`wait` and :meth:`call` (`method: auto` takes them out of
         the step to time the compute: reducer/adaptive/method.py)."""
+        self.device_waits: list[tuple] | None = None
+        """CUDA, while `method: auto` times the compute (it sets a list): (before, after) timing events
+        on the training stream around each wait for the communication stream. On CUDA the host does
+        not block there, so ``waited_s`` misses it; the events time the stream's idle wait."""
 
     # ------------------------------------------------------------------ policy inputs
 
@@ -185,10 +189,30 @@ class Dispatcher:
             t0 = time.perf_counter()
             try:
                 self.sched.wait(item, host=False)
-                return item.value if not self.cuda and item.value is not None else fut.wait()
+                if not self.cuda and item.value is not None:
+                    return item.value
+                start = self._stream_mark()
+                value = fut.wait()
+                self._stream_waited(start)
+                return value
             finally:
                 self.waited_s += time.perf_counter() - t0
         return fut.wait()
+
+    def _stream_mark(self):
+        """A timing event on the training stream before it waits for the communication stream, while
+        :attr:`device_waits` is collected (CUDA); else None."""
+        if self.device_waits is None or not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _stream_waited(self, start) -> None:
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self.device_waits.append((start, end))
 
     def call(self, fn: Callable[[], Any], what: str, traffic: Traffic = Traffic.CONTROL):
         """Run ``fn`` (one or more collectives) in the schedule now and return its value, once its
@@ -216,7 +240,9 @@ class Dispatcher:
                 self.sched.wait(item, host=True)
             else:
                 self.sched.wait(item, host=False)
+                start = self._stream_mark()
                 item.future.wait()  # CUDA-aware: the current stream waits for the comm stream's work
+                self._stream_waited(start)
         finally:
             self.waited_s += time.perf_counter() - t0  # method: auto times compute without these waits
         return item.result
