@@ -58,8 +58,10 @@ def _torch_case(case: str, rank: int, dev) -> tuple[str, str]:
     if case.startswith("grouped-reducer"):
         model, ref = modes_t.make(1).to(dev), modes_t.make(1).to(dev)
         # `default`: the shipped config (every tensor SYNC on the int8 wire: all-to-all, owner sum, all-gather)
-        cfg = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"}}) \
-            if mode == "default" else modes_t.cfg_of(mode=mode, sync__last_n_layers=1, sync__top_fraction=0.1,
+        # `auto`: method auto, which times steps 2-5 (on CUDA between events on the training stream) and chooses
+        cfg = TopoAlignConfig.model_validate({"mode": "selective", "topology": {"source": "hostnames"},
+                                              **({"method": "auto"} if mode == "auto" else {})}) \
+            if mode in ("default", "auto") else modes_t.cfg_of(mode=mode, sync__last_n_layers=1, sync__top_fraction=0.1,
                                                      local__reconcile_interval=2, communication__bucket_size_mb=0.001)
         red = GroupedReducer(model, cfg)
         finish, after, verify, reconcile, close = (red.finish_grad_sync, red.after_optimizer_step,
@@ -93,8 +95,18 @@ def _torch_case(case: str, rank: int, dev) -> tuple[str, str]:
         verify()
         flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
         same = modes_t.same_on(list(range(world)), flat)
+        if mode == "auto":
+            m = red.engine.method
+            chosen = [None] * world
+            dist.all_gather_object(chosen, m.method)
+            samples = list(m.samples)
     finally:
         close()
+    if mode == "auto":
+        ok = same and chosen[0] is not None and len(set(chosen)) == 1 and len(samples) == 4 and min(samples) > 0
+        return _verdict(ok, f"chose {chosen[0]} on every rank {len(set(chosen)) == 1}, compute per step "
+                            f"{', '.join(f'{t * 1e3:.2f}' for t in samples)} ms (timed on the {dev.type}), "
+                            f"replicas identical {same}")
     if mode == "hierarchical":
         return _verdict(worst <= TOL and same, f"grad rel err vs flat all-reduce {worst:.2e} (<= {TOL:g}), "
                                                f"replicas identical {same}")

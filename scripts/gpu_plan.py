@@ -71,7 +71,7 @@ class Result:
 
 
 _TORCH = ("grouped-reducer-hierarchical", "grouped-reducer-selective", "grouped-reducer-default",
-          "ddp-hook-hierarchical", "ddp-hook-selective")
+          "grouped-reducer-auto", "ddp-hook-hierarchical", "ddp-hook-selective")
 _DEEPSPEED = tuple(f"deepspeed-zero{s}-hierarchical" for s in range(4)) + tuple(
     f"deepspeed-zero{s}-selective" for s in range(3))  # selective is refused at ZeRO-3 (docs/deepspeed.md)
 _MEGATRON = ("megatron-ddp-hierarchical", "megatron-distopt-hierarchical", "megatron-ddp-selective",
@@ -102,7 +102,8 @@ def _adapter_cases(backend: str) -> list[Case]:
         mode = name.rsplit("-", 1)[1]
         what = ("equal to the framework's flat all-reduce within 1e-6" if mode == "hierarchical" else
                 "shipped config: every tensor SYNC on the int8 wire" if mode == "default" else
-                "SYNC identical on all ranks, LOCAL per island, all after reconciliation")
+                "method auto: compute of steps 2-5 timed on the device, one choice on every rank" if mode == "auto"
+                else "SYNC identical on all ranks, LOCAL per island, all after reconciliation")
         out.append(Case(name, fam, 4, backend, _TIMEOUT[fam], f"2 islands x 2; {what}"))
     return out
 

@@ -260,18 +260,21 @@ def test_the_nominal_hbm_bandwidth_and_the_bytes_charged():
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_the_driver_runs_its_cases_on_gloo_and_cpu(tmp_path):
-    """Three adapter cases on 4 gloo ranks on CPU: hierarchical equals the flat all-reduce within 1e-6
-    and the selective invariants hold; a line each, the table, the summary and the JSON."""
-    want = ["grouped-reducer-hierarchical@gloo4", "ddp-hook-selective@gloo4", "deepspeed-zero1-selective@gloo4"]
+    """Four adapter cases on 4 gloo ranks on CPU: hierarchical equals the flat all-reduce within 1e-6,
+    the selective invariants hold, method auto times and chooses; a line each, the table, the summary
+    and the JSON."""
+    want = ["grouped-reducer-hierarchical@gloo4", "grouped-reducer-auto@gloo4", "ddp-hook-selective@gloo4",
+            "deepspeed-zero1-selective@gloo4"]
     out = _run(sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--cases", ",".join(want),
                "--out", str(tmp_path / "r.json"), timeout=590)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert sorted(ln.split(" ")[:2] for ln in lines[:3]) == sorted(["PASS", c] for c in want)
+    assert sorted(ln.split(" ")[:2] for ln in lines[:4]) == sorted(["PASS", c] for c in want)
     table = lines[lines.index("") + 1:]
-    assert [row.split()[:4] for row in table[2:5]] == [[c, "4", "gloo", "PASS"] for c in want]
-    assert "grad rel err vs flat all-reduce" in table[2] and "broken: []" in table[4]
-    assert table[5].startswith("gpu_check: 3 passed, 0 failed in ")
+    assert [row.split()[:4] for row in table[2:6]] == [[c, "4", "gloo", "PASS"] for c in want]
+    assert "grad rel err vs flat all-reduce" in table[2] and "broken: []" in table[5]
+    assert "on every rank True, compute per step" in table[3] and "(timed on t" in table[3]
+    assert table[6].startswith("gpu_check: 4 passed, 0 failed in ")
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["format"] == "topo-align/gpu-check/v1" and rep["device"] == "cpu" and rep["exit"] == 0
     assert [(r["case"], r["result"]) for r in rep["results"]] == [(c, "PASS") for c in want]
