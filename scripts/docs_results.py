@@ -21,6 +21,8 @@ where each comes from:
   docs/convergence.md            ablation        docs/data/convergence-ablation/results.json, with
                                                  the default and flat runs of convergence-islands
   docs/costmodel.md              bench-check     ``topo-align simulate --bench docs/data/bench-2x2-long.json``
+  docs/benchmarks-peers.md       peers-goals     docs/data/bench-*-peers-*.json: issue 38's goals for
+                                                 ``method: auto`` in each cell
 
 Re-running a bench section (``topo-align bench ... --markdown docs/benchmarks.md``) or a convergence
 grid changes its data; ``--write`` then carries the new figures to every page that quotes them, and
@@ -271,6 +273,59 @@ def bench_check_block(name: str) -> str:
     return render_markdown(rows, notes, 0.25)
 
 
+# -- issue 38's goals for `method: auto`, per cell of docs/benchmarks-peers.md -----------------
+
+EXACT = ("ds-zero0", "topo-hier")
+"""The exact methods of a cell (flat and hierarchical fp32): goal 3's reference step."""
+
+
+def _chose(e: dict) -> str:
+    info = e["result"]["info"]
+    line = info.get("method_line") or ""
+    m = re.match(r"topo_align: method auto: ([a-z0-9]+) ", line)
+    name = m.group(1) if m else info.get("method", "?")
+    return f"{name} (H {info['reconcile_interval']})" if name == "local" else name
+
+
+def peers_goals_block() -> str:
+    """Each cell (docs/data/bench-*-peers-*.json): what `method: auto` chose and issue 38's goals:
+    first to flat quality among every system; its slow-tier bytes per step at most those of the first
+    peer (not topo-align) to get there; its median step within 2 % of the fastest exact method's."""
+    rows = ["| cell (emulated, one round) | `auto` chose | first to flat quality | `auto` at flat quality "
+            "| `auto` bytes/step vs the first peer there | `auto` step vs fastest exact (+2 % allowed) |",
+            "|---|---|---|---|---|---|"]
+    from topo_integrations.bench.fmt import fmt_bytes
+
+    for path in sorted(DATA.glob("bench-*-peers-*.json")):
+        d = json.loads(path.read_text(encoding="utf-8"))
+        ok = {e["key"]: e for e in d["systems"] if e.get("status") == "ok"}
+        reach = sorted((e["long"]["time_to_quality_s"], k) for k, e in ok.items()
+                       if e["long"]["time_to_quality_s"] is not None)
+        auto = ok["topo-auto"]
+        at, a_bytes = auto["long"]["time_to_quality_s"], auto["long"]["bytes_per_step"]
+        first = f"{ok[reach[0][1]]['label']}, {reach[0][0]:.1f} s" if reach else "none"
+        if at is None:
+            mine = "**missed**: not reached in the budget"
+        elif reach[0][1] == "topo-auto":
+            mine = f"**met**: {at:.1f} s, first"
+        else:
+            mine = f"**missed**: {at:.1f} s, +{100 * (at / reach[0][0] - 1):.1f} % after the first"
+        peer = next((k for _, k in reach if not k.startswith("topo-")), None)
+        if peer is None:
+            vs = "no peer reached flat quality"
+        else:
+            p_bytes = ok[peer]["long"]["bytes_per_step"]
+            verdict = "**met**" if a_bytes <= p_bytes else "**missed**"
+            vs = f"{verdict}: {fmt_bytes(a_bytes)} vs {fmt_bytes(p_bytes)} ({ok[peer]['label']})"
+        step = auto["summary"]["step_median_s"]
+        ref = min((ok[k]["summary"]["step_median_s"], k) for k in EXACT if k in ok)
+        verdict = "**met**" if step <= 1.02 * ref[0] else "**missed**"
+        rows.append(f"| `{d['preset']}` at {d['spec']['uplink_mbit']:g} Mbit/s ({d['started'][:10]}) "
+                    f"| {_chose(auto)} | {first} | {mine} | {vs} "
+                    f"| {verdict}: {step:.3f} s vs {ref[0]:.3f} s ({ok[ref[1]]['label']}) |")
+    return "\n".join(rows)
+
+
 # -- the blocks --------------------------------------------------------------------------------
 
 
@@ -295,6 +350,7 @@ def blocks() -> list[tuple[Path, str, str, str]]:
          "\n".join(conv.ablation_table(islands + _load("convergence-ablation"), ABLATION_RUNS))),
         (COST, "bench-check", "topo-align simulate --bench docs/data/bench-2x2-long.json",
          bench_check_block("bench-2x2-long")),
+        (PEERS, "peers-goals", "docs/data/bench-*-peers-*.json", peers_goals_block()),
     ]
 
 

@@ -1,10 +1,33 @@
 """`method: auto` with the cost model's verdict fixed, for the tests that drive an adapter through a
 switch to a LOCAL class and back (tests/test_method_auto.py, tests/test_deepspeed_multirank.py,
-tests/test_megatron_ddp.py)."""
+tests/test_megatron_ddp.py), and the schedule they share: the first choice takes effect at step
+``SWITCH_STEP`` (DP position 0 timed the steps before it), :func:`rechoose` before step
+``RECHOICE_STEP``, ``STEPS`` steps in all."""
 
 from __future__ import annotations
 
 import contextlib
+
+SWITCH_STEP, RECHOICE_STEP, STEPS = 5, 8, 10
+
+AUTO_BLOCK = {"mode": "selective", "method": "auto", "adaptive": {"enabled": True, "check_interval": 1000},
+              "sync": {"last_n_layers": 1}, "local": {"promote_drift_fraction": 0.0}}
+"""`method: auto` with the adaptive controller on (renewed at each switch; its own checks out of the
+way) and no drift promotion (it would move LOCAL tensors to SYNC and blur what the switch did)."""
+
+
+def auto_block(**over) -> dict:
+    """:data:`AUTO_BLOCK` with ``over``'s sections merged in (``sync={"always_sync": [...]}``)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in AUTO_BLOCK.items()}
+    for k, v in over.items():
+        out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) else v
+    return out
+
+
+def rechoose(engine) -> None:
+    """What the adaptive monitor does when the slow tier measures 4x slower than its reference
+    (0.25 x: beyond ``RECHOOSE_FACTOR``): choose again, collectively over the DP group."""
+    engine.method.rechoose(0.25, 1.0, 4.0)
 
 
 @contextlib.contextmanager

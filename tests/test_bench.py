@@ -21,7 +21,7 @@ from topo_integrations.bench.cli import write_section
 from topo_integrations.bench.presets import PRESETS
 from topo_integrations.bench.report import markdown, summarize
 from topo_integrations.bench.systems import SYSTEMS, Layout, System, availability, ring_bytes, theory_bytes
-from topo_integrations.emulate.netns import list_namespaces, probe_unavailable_reason
+from topo_integrations.emulate.netns import list_namespaces, namespace_pids, probe_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -786,30 +786,31 @@ def test_sigterm_removes_the_cluster_and_the_ranks(tmp_path):
         proc = subprocess.Popen([PY, "-m", "topo_integrations.cli", "bench", "--quick", "--systems", "ddp",
                                  "--out-dir", str(tmp_path / "out")], cwd=ROOT, env=ENV,
                                 stdout=subprocess.DEVNULL, stderr=err)
-    spec = tmp_path / "out" / "ddp" / "spec.json"
     deadline = time.monotonic() + 90
-    while not _workers(spec):  # the ranks are running inside the namespaces
+    while len(ranks := _workers(proc.pid)) < 4:  # the 4 ranks are running inside the node namespaces
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     text = log.read_text()
     assert "topo-align bench: stopped by signal 15; emulated cluster removed" in text and "Traceback" not in text
     assert [n for n in list_namespaces() if n.startswith(f"ta{proc.pid}-")] == []
-    assert _workers(spec) == []
+    assert [p for p in ranks if _running(p)] == []
 
 
-def _workers(spec: Path) -> list[int]:
-    """Pids of bench workers started with ``spec``."""
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if str(spec).encode() in fh.read():
-                    out.append(int(pid))
-        except (OSError, ValueError):
-            continue
-    return out
+def _workers(bench: int) -> list[int]:
+    """Pids of the processes inside the node namespaces of the bench process ``bench``: its ranks
+    (forked from its zygote, so their command line is the zygote's, not the worker's)."""
+    return sorted(p for ns in list_namespaces() if ns.startswith(f"ta{bench}-") and not ns.endswith("-sw")
+                  for p in namespace_pids(ns))
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.timeout(10)

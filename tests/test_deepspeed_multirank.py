@@ -546,13 +546,11 @@ def _method_auto(rank):
     """`method: auto` at ZeRO-0 and ZeRO-2 with DP position 0's verdict fixed (a LOCAL class with H 2 from
     step 5, the exact method again from the re-choice before step 8): invariants every step, every
     parameter equal right after the re-choice (leaving the LOCAL class reconciles first)."""
-    from _forced_choice import forced_method_choices
+    from _forced_choice import RECHOICE_STEP, STEPS, auto_block, forced_method_choices, rechoose
 
     from topo_integrations.deepspeed import harness as H
 
-    block = {"enabled": True, "mode": "selective", "method": "auto", "topology": {"source": "hostnames"},
-             "adaptive": {"enabled": True, "check_interval": 1000},
-             "sync": {"last_n_layers": 1, "always_sync": ["head"]}, "local": {"promote_drift_fraction": 0.0}}
+    block = auto_block(enabled=True, topology={"source": "hostnames"}, sync={"always_sync": ["head"]})
     res = {}
     with forced_method_choices(("local", 2), ("hierarchical", None)):
         for stage in (0, 2):  # the engine's all-reduce seam; partitioned gradients (ZeRO-1's path too)
@@ -565,11 +563,11 @@ def _method_auto(rank):
                 e = engine.topo_align.engine
                 methods.append((e.method.method, e.reconciler.interval, str(e.sync_dtype), e.sync_fraction() < 1))
 
-            H.train(eng, 8, check=step_check)
-            eng.topo_align.engine.method.rechoose(0.25, 1.0, 4.0)
+            H.train(eng, RECHOICE_STEP, check=step_check)
+            rechoose(eng.topo_align.engine)
             rows = H.gather_rows(H.flat_params(eng))
             equal_after = bool((rows == rows[0]).all())
-            H.train(eng, 2, start=8, check=step_check)
+            H.train(eng, STEPS - RECHOICE_STEP, start=RECHOICE_STEP, check=step_check)
             res[stage] = {"records": recs, "methods": methods, "equal_after_rechoice": equal_after,
                           "events": [(x["step"], x["method"], x["reconcile_interval"])
                                      for x in eng.topo_align.engine.method.events]}

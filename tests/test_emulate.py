@@ -26,8 +26,9 @@ from topo_integrations.emulate.netns import (
     namespace_pids,
     probe_unavailable_reason,
 )
-from topo_integrations.emulate.runner import node_env, rank_env
+from topo_integrations.emulate.runner import launch, node_env, rank_env
 from topo_integrations.emulate.shaping import netem_available
+from topo_integrations.emulate.zygote import Zygote
 from topo_integrations.topology.file_source import load_topology_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,6 +286,39 @@ def _uplink_rates(cl: EmulatedCluster, host: str) -> tuple[float, float]:
     """(node side, switch side) kernel rates of ``host``'s uplink."""
     n = cl.layout.node(host)
     return _kernel_rate_mbit(n.ns, "eth0"), _kernel_rate_mbit(cl.layout.switch_ns, n.switch_port)
+
+
+@needs_netns
+@pytest.mark.emulated
+@pytest.mark.timeout(60)
+def test_zygote_forks_each_rank_into_its_node(cluster):
+    """The bench's ranks, forked from one process that imported their modules (emulate/zygote.py):
+    each runs in its node's network namespace (its route picks the node's address) with the node's
+    host name, its argv and its own session; a failing rank's status ends the run and the others are
+    killed; a hanging one is killed at the timeout; nothing is left in the namespaces."""
+    import io
+
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    with Zygote(["colorsys", "no_such_module_here"], env=env) as z:
+        assert z.preloaded == ["colorsys"]  # one that is not installed is left out
+        out = io.StringIO()
+        res = launch(cluster, [PY, "-u", "-m", "_zygote_rank", "ok"], zygote=z, out=out, timeout=30)
+        assert res.exit_code == 0, out.getvalue()
+        rows = sorted((json.loads(ln.split("] ", 1)[1]) for ln in out.getvalue().splitlines() if "] {" in ln),
+                      key=lambda r: r["rank"])
+        want = [{"rank": r, "host": cluster.layout.node(p.host).host, "addr": cluster.layout.node(p.host).address,
+                 "argv": ["ok"], "preloaded": True, "own_session": True}
+                for r, p in enumerate(cluster.topology.ranks)]
+        assert rows == want
+        res = launch(cluster, [PY, "-m", "_zygote_rank", "fail"], zygote=z, out=io.StringIO(), timeout=30)
+        assert (res.exit_code, res.reason) == (3, "failed: node1 r3 exited 3"), res
+        t0 = time.monotonic()
+        res = launch(cluster, [PY, "-m", "_zygote_rank", "hang"], zygote=z, out=io.StringIO(), timeout=1.5)
+        assert res.exit_code == 124 and time.monotonic() - t0 < 15, res
+        assert all(code is not None and code < 0 for code in res.codes.values()), res.codes  # killed
+        assert [namespace_pids(n.ns) for n in cluster.layout.nodes] == [[] for _ in cluster.layout.nodes]
+    with pytest.raises(ValueError, match="a zygote runs `python \\[-u\\] -m MODULE ...` commands, not"):
+        launch(cluster, [PY, "-c", "pass"], zygote=z)
 
 
 @needs_netns

@@ -351,13 +351,11 @@ def _method_auto_run(rank, spec, *, dist_opt, real=False):
     """`method: auto` with DP position 0's verdict fixed: a LOCAL class with H 2 from step 5, the exact
     method again from the re-choice before step 8; whether every parameter is equal right after it.
     ``real``: the real chooser instead, 6 steps (its choice and log line)."""
-    from _forced_choice import forced_method_choices
+    from _forced_choice import RECHOICE_STEP, STEPS, auto_block, forced_method_choices, rechoose
 
     from topo_integrations.config import TopoAlignConfig
 
-    cfg = TopoAlignConfig.model_validate({
-        "mode": "selective", "method": "auto", "sync": {"last_n_layers": 1},
-        "local": {"promote_drift_fraction": 0.0}, "adaptive": {"enabled": True, "check_interval": 10_000}})
+    cfg = TopoAlignConfig.model_validate(auto_block())
     if real:
         lines = []
 
@@ -367,14 +365,14 @@ def _method_auto_run(rank, spec, *, dist_opt, real=False):
         return {**_engine_run(rank, spec, cfg, dist_opt=dist_opt, steps=6, at_step=keep), "lines": lines}
     after: list = []
 
-    def rechoose(step, ddp, opt):
-        if step == 8:
+    def at_step(step, ddp, opt):
+        if step == RECHOICE_STEP:
             for e in ddp.topo_engines:
-                e.method.rechoose(0.25, 1.0, 4.0)
+                rechoose(e)
             after.append(_invariants(ddp, {"loss": None})["all_same"])
 
     with forced_method_choices(("local", 2), ("hierarchical", None)):
-        out = _engine_run(rank, spec, cfg, dist_opt=dist_opt, steps=10, at_step=rechoose)
+        out = _engine_run(rank, spec, cfg, dist_opt=dist_opt, steps=STEPS, at_step=at_step)
     return {**out, "equal_after_rechoice": after}
 
 

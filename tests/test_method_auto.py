@@ -259,6 +259,8 @@ def _rank_main(rank: int, world: int) -> dict:
 
 
 def _forced(out: dict, run, Net, rank: int) -> None:
+    from _forced_choice import rechoose
+
     from topo_integrations import GroupedReducer
 
     torch.manual_seed(0)
@@ -272,7 +274,7 @@ def _forced(out: dict, run, Net, rank: int) -> None:
     out["sync_fraction"] = red.engine.sync_fraction()
     sd = red.engine.state_dict()
     opt_sd = opt.state_dict()
-    red.engine.method.rechoose(0.25, 1.0, 4.0)
+    rechoose(red.engine)
     out["after_rechoose"] = (red.engine.method.method, str(red.engine.sync_dtype), red.engine.sync_fraction(),
                              red.engine.reconciler.all_synced)
     out["after_rechoose_params"] = {n: p.detach().clone() for n, p in red._params.items()}
@@ -297,13 +299,6 @@ def _forced(out: dict, run, Net, rank: int) -> None:
     red.close()
 
 
-AUTO_BLOCK = {"mode": "selective", "method": "auto", "topology": {"source": "hostnames"},
-              "adaptive": {"enabled": True, "check_interval": 1000}, "sync": {"last_n_layers": 1},
-              "local": {"promote_drift_fraction": 0.0}}
-"""`method: auto` with the adaptive controller on (renewed at each switch) and no drift promotion (it
-would move LOCAL tensors to SYNC and blur what the switch did)."""
-
-
 def _adapter_switch(rank: int, adapter: str) -> list:
     """10 steps through ``adapter`` with the forced choices (LOCAL class with H 2 at step 5, the exact
     method again from step 8): per step the method, H, the SYNC wire, the number of LOCAL tensors,
@@ -312,8 +307,9 @@ def _adapter_switch(rank: int, adapter: str) -> list:
     is equal."""
     import test_fsdp as F
     import torch.distributed as dist
+    from _forced_choice import RECHOICE_STEP, STEPS, auto_block, rechoose
 
-    cfg = TopoAlignConfig.from_block(AUTO_BLOCK)
+    cfg = TopoAlignConfig.from_block(auto_block(topology={"source": "hostnames"}))
     if adapter == "fsdp2":
         from topo_integrations.fsdp import apply, island_groups, island_mesh
 
@@ -354,9 +350,9 @@ def _adapter_switch(rank: int, adapter: str) -> list:
 
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     rec: list = []
-    for s in range(10):
-        if s == 8:
-            ta.engine.method.rechoose(0.25, 1.0, 4.0)
+    for s in range(STEPS):
+        if s == RECHOICE_STEP:
+            rechoose(ta.engine)
             rec.append(("after re-choice", all(equal())))
         opt.zero_grad(set_to_none=True)
         loss(s).backward()

@@ -5,10 +5,9 @@ Phases:
      into two .npz files, so every system reads identical batches without touching megatron-core;
   2. availability: a system whose framework or adapter does not import is recorded as
      ``not run (reason)``;
-  3. one ``EmulatedCluster`` for the whole invocation; per system, one at a time: start one worker
-     per rank (emulate.runner.launch, per-rank mode), read every link's counters when rank 0 marks
-     the start and the end of its training window (a poller thread answers the marks), collect the
-     worker's result;
+  3. one ``EmulatedCluster`` for the whole invocation; per system, one at a time: fork one worker
+     per rank (ranks.py), read every link's counters when rank 0 marks the start and the end of its
+     training window (a poller thread answers the marks), collect the worker's result;
   4. statistics and the report (report.py).
 Failures of one system (a crash, a timeout) are recorded as ``failed (reason)`` and the next runs.
 """
@@ -266,7 +265,7 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
     """Run every system of ``spec`` on one emulated cluster; returns (and writes) ``results.json``."""
     from ..emulate import EmulatedCluster
     from ..emulate.netns import unavailable_reason
-    from ..emulate.runner import launch
+    from .ranks import RankStarter
 
     spec.check()
     preset = PRESETS[spec.preset]
@@ -306,9 +305,10 @@ def run_bench(spec: BenchSpec, *, log: Callable[[str], None] = print, command: s
     }
     uplink = spec.uplink_mbit if spec.uplink_mbit is not None else preset.uplink_mbit
     cluster = EmulatedCluster(topo, uplink_mbit=uplink)
-    with cluster:
+    with cluster, RankStarter(spec.systems, log) as starter:
+        launch = starter.launch
         results["emulation"] = {
-            "notes": list(cluster.notes), "mtu": cluster.layout.mtu,
+            "notes": list(cluster.notes), "mtu": cluster.layout.mtu, "ranks": starter.how,
             "nodes": [{"host": n.host, "ranks": list(n.ranks), "uplink_mbit": n.uplink.rate_mbit,
                        "uplink_delay_ms": n.uplink.delay_ms} for n in cluster.layout.nodes],
             "spines": [{"leaf": s.leaf, "rate_mbit": s.shape.rate_mbit, "delay_ms": s.shape.delay_ms}

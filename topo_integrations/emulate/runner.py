@@ -54,6 +54,9 @@ class Cluster(Protocol):
     def popen(self, node: str | int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               **kwargs) -> subprocess.Popen: ...
 
+    def fork(self, node: str | int, zygote, module: str, args: Sequence[str], *,
+             env: Mapping[str, str] | None = None): ...
+
 
 @dataclass
 class RunResult:
@@ -110,13 +113,28 @@ def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
     stream.close()
 
 
+def _module_of(command: Sequence[str]) -> tuple[str, list[str]]:
+    """``(module, args)`` of ``python [-u] -m MODULE ARGS...``, what a zygote can run."""
+    argv = list(command[1:])
+    if argv[:1] == ["-u"]:
+        argv = argv[1:]
+    if len(argv) < 2 or argv[0] != "-m":
+        raise ValueError(f"a zygote runs `python [-u] -m MODULE ...` commands, not {' '.join(command)!r}")
+    return argv[1], argv[2:]
+
+
 def launch(cluster: Cluster, command: Sequence[str], *, mode: str = "per-rank", timeout: float | None = None,
-           port: int = 29500, out: TextIO | None = None, prefix_output: bool = True) -> RunResult:
-    """Run ``command`` on every rank (or node) of ``cluster``; see the module docstring."""
+           port: int = 29500, out: TextIO | None = None, prefix_output: bool = True, zygote=None) -> RunResult:
+    """Run ``command`` on every rank (or node) of ``cluster``; see the module docstring. With
+    ``zygote`` (per-rank mode, a ``python [-u] -m MODULE ...`` command), every rank is forked from it
+    instead of started as a new interpreter (zygote.py says what that keeps and what it changes)."""
     if mode not in MODES:
         raise ValueError(f"mode = {mode!r}; accepted: {list(MODES)}")
     if not command:
         raise ValueError("command is empty; give the command to run after `--`")
+    if zygote is not None and mode != "per-rank":
+        raise ValueError(f"a zygote forks ranks (mode 'per-rank'), not {mode!r}")
+    module = _module_of(command) if zygote is not None else None
     out = out or sys.stdout
     lock = threading.Lock()
     jobs: list[tuple[str, list[str], dict[str, str], str]] = []  # (label, argv, env, node host)
@@ -136,8 +154,11 @@ def launch(cluster: Cluster, command: Sequence[str], *, mode: str = "per-rank", 
     result: RunResult | None = None
     try:
         for label, argv, env, host in jobs:
-            p = cluster.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, errors="replace", bufsize=1)
+            if module is not None:
+                p = cluster.fork(host, zygote, module[0], module[1], env=env)
+            else:
+                p = cluster.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, errors="replace", bufsize=1)
             procs.append((label, p))
             th = threading.Thread(target=_forward, args=(p.stdout, f"[{label}] " if prefix_output else "", out, lock),
                                   daemon=True)
