@@ -291,7 +291,7 @@ def peers_goals_block() -> str:
     """Each cell (docs/data/bench-*-peers-*.json): what `method: auto` chose and issue 38's goals:
     first to flat quality among every system; its slow-tier bytes per step at most those of the first
     peer (not topo-align) to get there; its median step within 2 % of the fastest exact method's."""
-    rows = ["| cell (emulated, one round) | `auto` chose | first to flat quality | `auto` at flat quality "
+    rows = ["| cell (emulated) | `auto` chose | first to flat quality | `auto` at flat quality "
             "| `auto` bytes/step vs the first peer there | `auto` step vs fastest exact (+2 % allowed) |",
             "|---|---|---|---|---|---|"]
     from topo_integrations.bench.fmt import fmt_bytes
@@ -320,7 +320,9 @@ def peers_goals_block() -> str:
         step = auto["summary"]["step_median_s"]
         ref = min((ok[k]["summary"]["step_median_s"], k) for k in EXACT if k in ok)
         verdict = "**met**" if step <= 1.02 * ref[0] else "**missed**"
-        rows.append(f"| `{d['preset']}` at {d['spec']['uplink_mbit']:g} Mbit/s ({d['started'][:10]}) "
+        rnd = re.search(r"-r(\d+)$", path.stem)
+        rows.append(f"| `{d['preset']}` at {d['spec']['uplink_mbit']:g} Mbit/s, round {rnd.group(1) if rnd else 1} "
+                    f"({d['started'][:10]}) "
                     f"| {_chose(auto)} | {first} | {mine} | {vs} "
                     f"| {verdict}: {step:.3f} s vs {ref[0]:.3f} s ({ok[ref[1]]['label']}) |")
     return "\n".join(rows)
