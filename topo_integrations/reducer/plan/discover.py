@@ -108,14 +108,17 @@ def probe_tiers(groups_by_tier: dict[str, list[list[int]]], timeout_s: float,
     fastest of PROBE_ITERS 1-element all-reduces (the latency).
 
     Phases: 1. every rank of the job creates every probe group, tier by tier, in the given order
-    (`new_group` is collective over the world); 2. per tier, the members of each group time a warm-up
-    and PROBE_ITERS rounds of: a 1-element all-reduce fencing the round so the members start
-    together, a timed 1-element all-reduce, a timed PROBE_BYTES one (the groups of a tier run at the
-    same time, sharing NICs as training does); 3. groups destroyed.
+    (`new_group` is collective over the world), and per tier of several groups a fence group of all
+    their members; 2. per tier, the members of each group time a warm-up and PROBE_ITERS rounds of:
+    a 1-element all-reduce over the tier's fence group, so that every group of the tier starts the
+    round together (they share NICs as in training: a group that ran alone while another was late
+    would get the whole link, and measure up to twice its share), a timed 1-element all-reduce, a
+    timed PROBE_BYTES one; 3. groups destroyed.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     me = dist.get_rank()
     mine: dict[str, tuple[Any, list[int]]] = {}
+    fences: dict[str, Any] = {}
     made = []
     for tier, groups in groups_by_tier.items():
         for ranks in groups:
@@ -123,6 +126,12 @@ def probe_tiers(groups_by_tier: dict[str, list[list[int]]], timeout_s: float,
             made.append(pg)
             if me in ranks:
                 mine[tier] = (pg, ranks)
+        if len(groups) > 1:
+            members = sorted({r for ranks in groups for r in ranks})
+            fence_pg = dist.new_group(ranks=members, timeout=timeout)
+            made.append(fence_pg)
+            if me in members:
+                fences[tier] = fence_pg
     cuda = backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     numel = PROBE_BYTES.get(backend, PROBE_BYTES["gloo"]) // 4
@@ -135,7 +144,7 @@ def probe_tiers(groups_by_tier: dict[str, list[list[int]]], timeout_s: float,
                 _timed(buf, pg, cuda)
                 times, small = [], []
                 for _ in range(PROBE_ITERS):
-                    _timed(fence, pg, cuda)
+                    _timed(fence, fences.get(tier, pg), cuda)
                     small.append(_timed(fence, pg, cuda))  # the members left the fence together
                     times.append(_timed(buf, pg, cuda))
             except Exception as exc:  # noqa: BLE001 - named, with the group and the time waited
