@@ -483,8 +483,13 @@ def launches(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     procs, t0 = {}, time.perf_counter()
+    from topo_integrations.testing import free_port
+
     for path, (launch, block) in LAUNCHES.items():
-        cmd = _accelerate_cli() + ["launch", "--config_file", str(ROOT / "configs" / "hf" / launch),
+        # Each its own rendezvous port: both run at once, and the other pytest worker may hold 29500
+        # (accelerate's default) for a torchrun of its own.
+        cmd = _accelerate_cli() + ["launch", "--main_process_port", str(free_port()),
+                                   "--config_file", str(ROOT / "configs" / "hf" / launch),
                                    str(ROOT / "scripts" / "hf_accelerate_example.py"), "--config",
                                    str(ROOT / "configs" / "hf" / block), "--model", "tiny", "--steps", "3",
                                    "--compare-stock", "--out", str(tmp / f"{path}.json")]
