@@ -1,14 +1,14 @@
 """`method: auto` with the cost model's verdict fixed, for the tests that drive an adapter through a
 switch to a LOCAL class and back (tests/test_method_auto.py, tests/test_deepspeed_multirank.py,
-tests/test_megatron_ddp.py), and the schedule they share: the first choice takes effect at step
-``SWITCH_STEP`` (DP position 0 timed the steps before it), :func:`rechoose` before step
-``RECHOICE_STEP``, ``STEPS`` steps in all."""
+tests/test_megatron_ddp.py), and the schedule they share: the first choice takes effect after step 5
+(DP position 0 timed steps 2-5: ``TIMED_STEPS``), :func:`rechoose` before step ``RECHOICE_STEP``,
+``STEPS`` steps in all."""
 
 from __future__ import annotations
 
 import contextlib
 
-SWITCH_STEP, RECHOICE_STEP, STEPS = 5, 8, 10
+RECHOICE_STEP, STEPS = 8, 10
 
 AUTO_BLOCK = {"mode": "selective", "method": "auto", "adaptive": {"enabled": True, "check_interval": 1000},
               "sync": {"last_n_layers": 1}, "local": {"promote_drift_fraction": 0.0}}
