@@ -52,7 +52,7 @@ def _main(rank: int, world: int, parts: list) -> list:
 
     import torch.distributed as dist
 
-    from topo_integrations.testing import released_groups
+    from topo_integrations.testing import released_groups, thread_count
 
     env, lg = dict(os.environ), logging.getLogger("topo_align")
     level, handlers = lg.level, list(lg.handlers)
@@ -72,7 +72,7 @@ def _main(rank: int, world: int, parts: list) -> list:
         except BaseException as exc:
             raise RuntimeError(f"shared world part {module}.{fn} failed on rank {rank}: "
                                f"{type(exc).__name__}: {exc}") from exc
-        seconds[module] = (round(time.perf_counter() - t0, 1), round(time.process_time() - c0, 1))
+        seconds[module] = (round(time.perf_counter() - t0, 1), round(time.process_time() - c0, 1), thread_count())
     return out + [seconds]
 
 
@@ -94,8 +94,9 @@ def results(request, module: str) -> list:
         else:
             for i, p in enumerate(parts):
                 _done[p[0]] = [r[i] for r in res]
-            # where the world's time went (wall, rank 0's CPU seconds per part): `pytest -s` shows it
-            print("shared 4-rank world, seconds per part (wall, rank-0 CPU):", res[0][-1])
+            # where the world's time went (wall, rank 0's CPU seconds per part, its threads after the
+            # part: idle gloo groups left alive show here): `pytest -s` shows it
+            print("shared 4-rank world, per part (wall s, rank-0 CPU s, rank-0 threads after):", res[0][-1])
     got = _done[module]
     if isinstance(got, Exception):
         raise got

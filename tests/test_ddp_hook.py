@@ -8,7 +8,9 @@ functions assert on.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import _world4
 import pytest
@@ -180,6 +182,12 @@ def s_selective(rank, groups):
            "reconciles": st["reconciles"], "class_steps": sorted(class_steps),
            "reconcile_bytes": st["total"]["bytes"]["inter"]["reconcile"]}
     state.close()
+    # A dropped model goes with its hook state and engine (the state holds the model weakly: DDP's
+    # C++ reducer holds the state, and the collector cannot see a cycle through it).
+    refs = (weakref.ref(ddp), weakref.ref(state), weakref.ref(state.engine))
+    del ddp, state, opt, st
+    gc.collect()
+    out["dropped_alive"] = [r() is not None for r in refs]
     return out
 
 
@@ -251,6 +259,12 @@ def test_selective_invariants_every_step(world):
         # classes move (drift promotion, refresh) at reconciliation steps only, and they do move here
         assert r["class_steps"] and all(s % 2 == 0 for s in r["class_steps"]), r["class_steps"]
     assert all(res["selective"]["norms"] == world[0]["selective"]["norms"] for res in world)
+
+
+@pytest.mark.timeout(_world4.TIMEOUT)
+def test_a_dropped_model_takes_its_hook_state_and_engine(world):
+    for res in world:
+        assert res["selective"]["dropped_alive"] == [False, False, False]
 
 
 @pytest.mark.timeout(_world4.TIMEOUT)

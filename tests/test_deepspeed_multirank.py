@@ -15,7 +15,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from topo_integrations.testing import run_world  # noqa: E402
+from topo_integrations.testing import run_world, thread_count  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -27,12 +27,20 @@ OPTIMS = {  # name -> (optimizer, gradient_clipping, gradient_accumulation_steps
 
 
 def _section(out: dict, name: str, fn, *args):
+    import deepspeed.utils.groups as dg
+
+    from topo_integrations.deepspeed.harness import released_engines
+    from topo_integrations.testing import released_groups
+
     t0 = time.perf_counter()
     try:
-        out[name] = fn(*args)
+        # A section's engines and groups go with it (DeepSpeed keeps its own cached groups): idle gloo
+        # groups cost CPU (testing.released_groups; a section that raised keeps its groups).
+        with released_groups(keep_held_by=(dg,)), released_engines():
+            out[name] = fn(*args)
     except Exception:  # noqa: BLE001 - the test reports it; the section failed on every rank alike
         out[name] = {"error": traceback.format_exc()}
-    out.setdefault("_times", {})[name] = round(time.perf_counter() - t0, 2)
+    out.setdefault("_times", {})[name] = (round(time.perf_counter() - t0, 2), thread_count())
 
 
 def _engine(model, cfg, optim):
@@ -629,7 +637,7 @@ def _rank_main(rank, world, tmpdir):
 def world(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ds4"))
     out = run_world(4, _rank_main, tmp, timeout=900, env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
-    print("section wall times (rank 0):", out[0]["_times"])
+    print("sections (rank 0: wall s, threads after):", out[0]["_times"])
     return out
 
 

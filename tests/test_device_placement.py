@@ -76,12 +76,13 @@ def test_the_dispatcher_thread_runs_on_the_callers_device(fake_cuda):
 
 
 def test_the_watcher_and_the_stream_double_run_on_the_callers_device(fake_cuda, monkeypatch):
+    from topo_integrations.reducer.schedule import schedule
     from topo_integrations.reducer.schedule.schedule import Schedule
 
     monkeypatch.setenv(completion.DEFERRED_ENV, "1")
     s = Schedule(torch.device("cpu"), timeout_s=30.0)
     assert s.kind == "deferred"
-    s._watch_loop = lambda: fake_cuda.rec("fn")  # the watcher's target, seen from its thread
+    monkeypatch.setattr(schedule, "_watch_loop", lambda ref, closing: fake_cuda.rec("fn"))  # seen from its thread
     s.retain(threaded=False)
     it = s.item("probe", Traffic.CONTROL, lambda: fake_cuda.rec("fn"))
     s.release([it])

@@ -108,7 +108,7 @@ def _rank_main(rank, world, tmp):
 
     import topo_integrations.deepspeed as tds
     from topo_integrations.deepspeed import harness as H
-    from topo_integrations.testing import released_groups
+    from topo_integrations.testing import released_groups, thread_count
 
     H.prepare_cpu()
     tds.install()  # the one line: Trainer and Accelerator call deepspeed.initialize from here on
@@ -120,9 +120,10 @@ def _rank_main(rank, world, tmp):
                            ("trainer_paths", trainer_paths, (rank, tmp))):
         # No per-section try/except: a rank that raises fails the whole world at once (run_world).
         t0 = time.perf_counter()
-        with released_groups(keep_held_by=(dg,)):  # idle gloo groups cost CPU: a section's go with it
+        # idle gloo groups cost CPU: a section's engines and groups go with it
+        with released_groups(keep_held_by=(dg,)), H.released_engines():
             out[name] = fn(*args)
-        out["_times"][name] = round(time.perf_counter() - t0, 1)
+        out["_times"][name] = (round(time.perf_counter() - t0, 1), thread_count())
     return out
 
 

@@ -275,9 +275,10 @@ def _engine_run(rank, spec, cfg, **kw):
     """`_one_engine_run`, its groups destroyed after it (topo_integrations.testing.released_groups)."""
     from megatron.core import parallel_state
 
+    from topo_integrations.megatron.testing import released_ddps
     from topo_integrations.testing import released_groups
 
-    with released_groups(keep_held_by=(parallel_state,)):
+    with released_groups(keep_held_by=(parallel_state,)), released_ddps():
         return _one_engine_run(rank, spec, cfg, **kw)
 
 
@@ -577,7 +578,7 @@ def _rank_main(rank, world, tmpdir):
     from megatron.core import parallel_state
 
     from topo_integrations.config import TopoAlignConfig
-    from topo_integrations.megatron.testing import TinyGPT
+    from topo_integrations.megatron.testing import TinyGPT, released_ddps
     from topo_integrations.testing import released_groups
 
     spec = TinyGPT()
@@ -587,7 +588,7 @@ def _rank_main(rank, world, tmpdir):
         # Each section's engines and their groups go away with it (megatron-core keeps its current
         # parallel state's groups): idle gloo groups cost CPU (topo_integrations.testing.released_groups).
         t0 = time.time()
-        with released_groups(keep_held_by=(parallel_state,), older_too=True):
+        with released_groups(keep_held_by=(parallel_state,), older_too=True), released_ddps():
             res[name] = fn(*args, **kw)
         timings[name] = round(time.time() - t0, 1)
 

@@ -10,7 +10,9 @@ Call :func:`prepare_cpu` first in every rank: it selects the CPU accelerator and
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import os
 from typing import Any
 
@@ -20,8 +22,32 @@ from torch import nn
 
 from ..config import Mode
 
-__all__ = ["prepare_cpu", "Net", "ds_config", "topo_block", "make_optimizer", "train", "flat_params",
-           "gather_rows", "rel_err", "virtual_hostname"]
+__all__ = ["prepare_cpu", "released_engines", "Net", "ds_config", "topo_block", "make_optimizer", "train",
+           "flat_params", "gather_rows", "rel_err", "virtual_hostname"]
+
+
+def _engines() -> list:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+
+
+@contextlib.contextmanager
+def released_engines():
+    """On leaving the block, every DeepSpeed engine built inside it is destroyed (``destroy()``: its
+    ZeRO gradient hooks removed, a topo-align engine's threads stopped).
+
+    Why: an engine's gradient hooks live on autograd nodes (C++) and hold the engine, so a dropped
+    engine is never collected, with its model and process groups (three gloo threads each); a test
+    world building dozens grew to hundreds of idle gloo threads a rank. Use with
+    `topo_integrations.testing.released_groups` outside this block. Issues no collective."""
+    before = {id(o) for o in _engines()}
+    try:
+        yield
+    finally:
+        for eng in _engines():
+            if id(eng) not in before:
+                eng.destroy()
 
 
 def prepare_cpu() -> None:

@@ -14,6 +14,8 @@ Call `cpu_compat.apply()` first when there is no GPU.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 from .cpu_compat import cuda_available
 
 __all__ = ["TinyGPT", "init_parallel", "build_gpt", "wrap_ddp", "make_optimizer", "run_iteration", "batch_for",
-           "ReleaseProbe"]
+           "ReleaseProbe", "released_ddps"]
 
 
 @dataclass
@@ -111,6 +113,35 @@ def wrap_ddp(model, cfg, *, topo=None, use_distributed_optimizer=False, overlap_
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.no_sync_func = ddp.no_sync
     return ddp
+
+
+def _ddps() -> list:
+    from megatron.core.distributed import DistributedDataParallel
+
+    return [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+
+
+@contextlib.contextmanager
+def released_ddps():
+    """On leaving the block, every megatron-core DDP built inside it lets go of its model: the
+    plugin's engines closed (`TopoAlignDDP.topo_close`) and the DDP's grad-accumulator hooks dropped.
+
+    Why: megatron-core's DDP holds each parameter's grad accumulator (an autograd node, C++), whose
+    hook holds the DDP. The collector cannot see through the C++ node, so a dropped DDP lives on with
+    its model, its engines and their process groups (three gloo threads each); a test world building
+    dozens of them grew to hundreds of idle gloo threads a rank. Use with
+    `topo_integrations.testing.released_groups` outside this block (it destroys the groups and collects).
+    Issues no collective."""
+    before = {id(o) for o in _ddps()}
+    try:
+        yield
+    finally:
+        for ddp in _ddps():
+            if id(ddp) in before:
+                continue
+            if hasattr(ddp, "topo_close"):
+                ddp.topo_close()
+            ddp.grad_accs.clear()
 
 
 def make_optimizer(ddp, *, lr=1e-2, clip_grad=0.0, **kw):

@@ -29,6 +29,7 @@ no hook inside it) and so does ``find_unused_parameters`` (DDP puts zeros in the
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects
 # (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``).
 import logging
+import weakref
 from typing import Callable
 
 import torch
@@ -74,7 +75,9 @@ class TopoAlignHookState(EngineView):
                             f"{type(ddp_model).__name__} (use GroupedReducer for a bare nn.Module)")
         check_config(cfg, loss_closure, "TopoAlignHookState")
         self.cfg = cfg
-        self.ddp_model = ddp_model
+        # Weakly: DDP's reducer (C++) holds this state, and a strong reference back would make a cycle
+        # the collector cannot see through, keeping a dropped model, its engine and its process groups.
+        self._ddp_model = weakref.ref(ddp_model)
         groups, self.fallback_reason = topology_groups(cfg, groups=groups, plan=plan)
         ddp_ranks = sorted(dist.get_process_group_ranks(ddp_model.process_group))
         if ddp_ranks != sorted(groups.dp_ranks):
@@ -106,6 +109,11 @@ class TopoAlignHookState(EngineView):
         self.buckets_reduced = 0
         if cfg.adaptive.enabled:
             self.engine.enable_adaptive()
+
+    @property
+    def ddp_model(self) -> DistributedDataParallel | None:
+        """The DDP model this state reduces for (None once it has been dropped)."""
+        return self._ddp_model()
 
     # ------------------------------------------------------------------ one DDP bucket
 

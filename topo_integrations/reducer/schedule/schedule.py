@@ -21,6 +21,11 @@ Issue and completion per backend (completion.py):
 
 A watcher thread polls the watch against ``fallback.timeout_s`` (``event``/``deferred``), and so
 does every host-side wait; the first deadline missed aborts the communicators and fails every wait.
+
+The threads hold the schedule weakly (and nothing of an item once it is issued): an engine dropped
+without ``close()`` takes its schedule, its process groups and the threads with it. A gloo group lives
+as long as anything holds it, with three threads of its own (a job that rebuilds its model, a test
+world that builds a hundred engines).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -85,6 +91,8 @@ class Schedule:
         self._groups: list = []
         self._stream = torch.cuda.Stream(device=self.device, priority=-1) if self.kind == "event" else None
         self._double = StreamDouble() if self.kind == "deferred" else None
+        if self._double is not None:
+            weakref.finalize(self, self._double.close)
         self.threaded = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -125,7 +133,9 @@ class Schedule:
             if threaded and self.kind == "host":
                 self.threaded = True
         if self.kind != "host" and self.timeout_s and self._watcher is None:
-            self._watcher = start_thread(self._watch_loop, name="topo_align_watch")
+            ref, closing = weakref.ref(self), self._closing
+            weakref.finalize(self, closing.set)
+            self._watcher = start_thread(lambda: _watch_loop(ref, closing), name="topo_align_watch")
 
     def release_user(self) -> None:
         """An engine closed; the last one stops the threads (after the released items)."""
@@ -168,7 +178,9 @@ class Schedule:
                 self._execute(it)
             return
         if self._thread is None:
-            self._thread = start_thread(self._loop, name="topo_align_dispatch")
+            ref, q = weakref.ref(self), self._queue
+            self._thread = start_thread(lambda: _issue_loop(ref, q), name="topo_align_dispatch")
+            weakref.finalize(self, q.put, None)
         for it in items:
             self._queue.put(it)
 
@@ -178,13 +190,6 @@ class Schedule:
         self._book(it)
 
     # ------------------------------------------------------------------ issuing
-
-    def _loop(self) -> None:
-        while True:
-            it = self._queue.get()
-            if it is None:
-                return
-            self._execute(it)
 
     def _execute(self, it: Item) -> None:
         self._running = it
@@ -292,13 +297,6 @@ class Schedule:
         return CollectiveError(f"topo_align: {r.what} did not complete within fallback.timeout_s = "
                                f"{self.timeout_s:g}s ({waited:.1f}s; no collective of it in flight)")
 
-    def _watch_loop(self) -> None:
-        """``event``/``deferred``: find the first missed deadline even when nobody waits."""
-        while not self._closing.wait(Watch.POLL_S):
-            if self.watch.in_flight() and self.watch.poll() is not None:
-                self._broken = self._broken or self.watch.expired
-                return
-
     def _abort(self) -> None:
         """The communicators of every attached set of groups are aborted (NCCL), or the stream
         double stops; every pending item fails with the watch's error."""
@@ -322,3 +320,27 @@ class Schedule:
             if not it.done.is_set():
                 it.error = it.error or self.watch.expired
                 self._book(it)
+
+
+def _issue_loop(ref: "weakref.ref[Schedule]", q: queue.SimpleQueue) -> None:
+    """The issuing thread (``host`` with a thread): items in release order until the schedule
+    closes or is collected (module docstring: the thread holds it weakly, no item between items)."""
+    while True:
+        it = q.get()
+        s = ref() if it is not None else None
+        if s is None:
+            return
+        s._execute(it)
+        del it, s
+
+
+def _watch_loop(ref: "weakref.ref[Schedule]", closing: threading.Event) -> None:
+    """``event``/``deferred``: find the first missed deadline even when nobody waits."""
+    while not closing.wait(Watch.POLL_S):
+        s = ref()
+        if s is None:
+            return
+        if s.watch.in_flight() and s.watch.poll() is not None:
+            s._broken = s._broken or s.watch.expired
+            return
+        del s

@@ -172,3 +172,4 @@ class StreamDouble:
                 return
             if not self.aborted.is_set():
                 fn()
+            del fn  # nothing of an item held while idle (schedule.py: threads hold no engine)
