@@ -71,6 +71,25 @@ def test_local_class_keys_mean_a_local_class_and_h_is_capped():
     assert capped.reconcile_interval == H_CAP and f"(H capped at {H_CAP})" in capped.line()
 
 
+def test_the_local_candidate_streams_from_h_64_and_keeps_a_users_fragments():
+    from types import SimpleNamespace
+
+    from topo_integrations.reducer.adaptive.method import MethodAuto, applied_keys
+    from topo_integrations.sim.choose import STREAM_FROM_H, method_config
+
+    assert STREAM_FROM_H == H_CAP == 64
+    assert [method_config("local", h)["local.stream_fragments"] for h in (1, 16, 32, 64)] == [1, 1, 1, 4]
+    assert choose_for_groups(_inputs(0.01)).config["local.stream_fragments"] == 4
+    assert "local.stream_fragments" not in method_config("int8")
+    # a value the user set is not overridden when the choice is applied
+    engine = SimpleNamespace(cfg=SimpleNamespace(explicit_keys=lambda: ["local.stream_fragments", "mode"]))
+    user = MethodAuto(engine).local_only
+    assert user == ["local.stream_fragments"]
+    assert applied_keys("local", 64, user) == {"sync.dtype": "bf16", "sync.top_fraction": 0.15,
+                                               "local.reconcile_interval": 64}
+    assert applied_keys("local", 64, [])["local.stream_fragments"] == 4
+
+
 @pytest.mark.parametrize("block, words", [
     ({"method": "auto", "mode": "hierarchical"},
      "topo_align: method = 'auto' chooses among settings of mode 'selective' (its exact candidate is every tensor "

@@ -10,7 +10,8 @@ changing mode):
   bytes and flat's quality at 2, 4 and 8 islands (docs/convergence.md, "Many islands");
 * ``local``: a LOCAL class reconciled DiLoCo-style: the last N layers, `always_sync` and the top
   :data:`LOCAL_TOP_FRACTION` by importance SYNC on the :data:`LOCAL_SYNC_DTYPE` wire, the rest
-  reduced in the island and averaged across islands every H steps (``local.reconcile_interval``).
+  reduced in the island and averaged across islands every H steps (``local.reconcile_interval``),
+  in :func:`stream_fragments` fragments (streamed from :data:`STREAM_FROM_H` on).
 
 Each is priced by :func:`~topo_integrations.sim.scenario.simulate` (algorithm ``selective``: its
 SYNC stream is the back-to-back 2-level all-reduce, its reconciliation the rail all-reduce and
@@ -43,6 +44,7 @@ from .scenario import SimOptions, simulate
 from .workload import Workload, dp_groups
 
 __all__ = ["CANDIDATES", "HIDDEN", "TIE", "LOCAL_MARGIN", "H_CAP", "LOCAL_TOP_FRACTION", "LOCAL_SYNC_DTYPE",
+           "STREAM_FROM_H", "STREAM_FRAGMENTS", "stream_fragments",
            "MethodInputs", "MethodChoice", "choose", "choose_for_groups", "choose_for_cli", "method_config",
            "figures_of"]
 
@@ -65,7 +67,19 @@ LOCAL_TOP_FRACTION = 0.15
 LOCAL_SYNC_DTYPE = "bf16"
 """SYNC wire of the LOCAL candidate: bf16 cost less quality than int8 with a LOCAL class at 4 and 8
 islands (docs/convergence.md, "Many islands": +1.24 / +2.10 % against +1.79 / +2.47 %)."""
+STREAM_FROM_H = 64
+"""From this H on the LOCAL candidate streams its reconciliation in :data:`STREAM_FRAGMENTS`
+fragments (``local.stream_fragments``); below it, all at once. 3 seeds at 2 and 4 islands
+(docs/convergence.md, "The LOCAL class of `method: auto` at long H"): at H = 64 4 fragments ended
+closer to flat than one reconciliation (by a quarter of a point at 2 islands, to flat's level at 4),
+at H = 16 a few tenths further."""
+STREAM_FRAGMENTS = 4
 _NO_RECONCILE = 1 << 30
+
+
+def stream_fragments(reconcile_interval: int) -> int:
+    """``local.stream_fragments`` of the LOCAL candidate at H = ``reconcile_interval``."""
+    return STREAM_FRAGMENTS if reconcile_interval >= STREAM_FROM_H else 1
 
 
 def method_config(method: str, reconcile_interval: int | None = None) -> dict:
@@ -74,7 +88,8 @@ def method_config(method: str, reconcile_interval: int | None = None) -> dict:
         "hierarchical": {"sync.dtype": "fp32", "sync.top_fraction": 1.0},
         "int8": {"sync.dtype": "int8", "sync.top_fraction": 1.0},
         "local": {"sync.dtype": LOCAL_SYNC_DTYPE, "sync.top_fraction": LOCAL_TOP_FRACTION,
-                  "local.reconcile_interval": int(reconcile_interval or H_CAP)},
+                  "local.reconcile_interval": int(reconcile_interval or H_CAP),
+                  "local.stream_fragments": stream_fragments(int(reconcile_interval or H_CAP))},
     }
     if method not in keys:
         raise ValueError(f"method {method!r}; expected one of {list(CANDIDATES)}")
@@ -175,7 +190,7 @@ def choose(topo: Topology, wl: Workload, opt: SimOptions, *, figures: str, local
     unbounded = _step(topo, wl, base, reconcile_interval=_NO_RECONCILE, **local)
     h, capped = H_CAP, True
     for cand in H_STEPS:  # the last is H_CAP: `t` is its step when none hides the reconciliation
-        t = _step(topo, wl, base, reconcile_interval=cand, **local)
+        t = _step(topo, wl, base, reconcile_interval=cand, stream_fragments=stream_fragments(cand), **local)
         if t <= unbounded * (1 + HIDDEN):
             h, capped = cand, False
             break

@@ -42,7 +42,7 @@ from ..wire.collectives import run
 from ..wire.compression import wire_dtype
 from .regroup import renew_controller
 
-__all__ = ["MethodAuto", "TIMED_STEPS", "RECHOOSE_FACTOR"]
+__all__ = ["MethodAuto", "TIMED_STEPS", "RECHOOSE_FACTOR", "applied_keys"]
 
 log = logging.getLogger("topo_align")
 
@@ -168,8 +168,7 @@ class MethodAuto:
         first = self.method is None
         if (method, interval) == (self.method, self.interval):
             return
-        keys = method_config(method, interval)
-        keys.pop("mode")
+        keys = applied_keys(method, interval, self.local_only)
         if e.adaptive is not None:  # back to the configured level first (e.g. out of `flat`)
             e.adaptive.restore_base()
         if e.has_local():  # replicas identical before the classes change (moments too)
@@ -221,3 +220,12 @@ class MethodAuto:
             return
         self.events = [dict(x) for x in sd.get("events", [])]
         self._apply(sd["method"], sd.get("reconcile_interval"))
+
+
+def applied_keys(method: str, interval: int | None, user_set) -> dict:
+    """The dotted keys a choice puts on the engine's config: the candidate's (``method_config``, less
+    the mode), less those the user set (the config refuses the others beside `auto`; a LOCAL-class
+    key such as ``local.stream_fragments`` stays the user's)."""
+    keys = method_config(method, interval)
+    keys.pop("mode")
+    return {k: v for k, v in keys.items() if k not in set(user_set)}
