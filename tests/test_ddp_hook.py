@@ -188,6 +188,13 @@ def s_selective(rank, groups):
     del ddp, state, opt, st
     gc.collect()
     out["dropped_alive"] = [r() is not None for r in refs]
+    # A GroupedReducer dropped without close() goes too (its parameter hooks hold it weakly), and its
+    # hooks leave the model that stays.
+    kept = make()
+    red_ref = weakref.ref(GroupedReducer(kept, cfg, groups=groups))
+    gc.collect()
+    hooks_left = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in kept.parameters())
+    out["dropped_reducer"] = (red_ref() is not None, hooks_left)
     return out
 
 
@@ -265,6 +272,7 @@ def test_selective_invariants_every_step(world):
 def test_a_dropped_model_takes_its_hook_state_and_engine(world):
     for res in world:
         assert res["selective"]["dropped_alive"] == [False, False, False]
+        assert res["selective"]["dropped_reducer"] == (False, 0)
 
 
 @pytest.mark.timeout(_world4.TIMEOUT)

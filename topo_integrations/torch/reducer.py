@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Callable
 
 import torch
@@ -164,8 +165,13 @@ class GroupedReducer(EngineView):
         """Buckets launched during backward (overlap), cumulative; the rest launch in finish_grad_sync."""
         self._hooks = []
         if register_hooks:
+            # The hooks hold the reducer weakly: a parameter holds its hooks, so a strong reference
+            # would keep a reducer dropped without close() (its engine, threads and process groups)
+            # alive as long as the model. A dropped reducer takes its hooks off the model with it.
+            me = weakref.ref(self)
             for n, p in self._named:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(n)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, n)))
+            weakref.finalize(self, _remove_hooks, list(self._hooks))
         if cfg.adaptive.enabled:
             self.engine.enable_adaptive()
 
@@ -203,20 +209,19 @@ class GroupedReducer(EngineView):
 
     # ------------------------------------------------------------------ backward side
 
-    def _make_hook(self, name: str):
-        def hook(p: torch.Tensor) -> None:
-            if not self._sync_enabled:
-                return
-            b, off, n = self._where[name]
-            if name in b.ready and b.launched:
-                raise RuntimeError(
-                    f"topo_align: parameter {name!r} received a gradient after its bucket was reduced "
-                    "(two backward passes before finish_grad_sync?); use no_sync() for accumulation")
-            b.buffer[off:off + n].copy_(_dense(name, p.grad).reshape(-1))
-            b.ready.add(name)
-            if b.full and self.cfg.communication.overlap:  # else everything launches in finish_grad_sync
-                self.launched_from_hooks += self._launch_ready(b.cls)
-        return hook
+    def _on_grad(self, name: str, p: torch.Tensor) -> None:
+        """A parameter's gradient is accumulated: copy it into its bucket; launch a full bucket."""
+        if not self._sync_enabled:
+            return
+        b, off, n = self._where[name]
+        if name in b.ready and b.launched:
+            raise RuntimeError(
+                f"topo_align: parameter {name!r} received a gradient after its bucket was reduced "
+                "(two backward passes before finish_grad_sync?); use no_sync() for accumulation")
+        b.buffer[off:off + n].copy_(_dense(name, p.grad).reshape(-1))
+        b.ready.add(name)
+        if b.full and self.cfg.communication.overlap:  # else everything launches in finish_grad_sync
+            self.launched_from_hooks += self._launch_ready(b.cls)
 
     def _launch_ready(self, cls: str) -> int:
         """Launch, in order, the buckets of ``cls`` that are full; returns how many were launched."""
@@ -362,3 +367,17 @@ class GroupedReducer(EngineView):
             h.remove()
         self._hooks = []
         self.engine.close()
+
+
+def _grad_hook(ref: "weakref.ref[GroupedReducer]", name: str):
+    """The post-accumulate-grad hook of parameter ``name``, holding its reducer weakly."""
+    def hook(p: torch.Tensor) -> None:
+        red = ref()
+        if red is not None:
+            red._on_grad(name, p)
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
