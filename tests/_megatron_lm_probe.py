@@ -20,6 +20,7 @@ The probe never changes what the run computes; it only reads parameters and gath
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -142,6 +143,9 @@ def forked_ranks(n: int, argv: list[str]) -> int:
     import megatron.training  # noqa: F401 - the import the ranks share
 
     assert threading.active_count() == 1, threading.enumerate()  # a fork copies this thread only
+    # Megatron-LM's imports are never garbage in a rank: frozen before the forks, a collection in a
+    # rank walks only what the rank made (testing.run_world's ranks do the same).
+    gc.freeze()
     port, pids = free_port(), []
     for rank in range(n):
         sys.stdout.flush()

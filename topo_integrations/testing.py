@@ -83,6 +83,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     import torch
     import torch.distributed as dist
 
+    # The server's heap (torch, the frameworks: about a million objects) is never garbage here:
+    # frozen, a collection (released_groups collects after every block) walks only what this rank
+    # made. Walking it all cost a quarter of a CPU second per collection, 37 of test_every_key's 67.
+    gc.freeze()
     if environ is not None:  # the caller's environment, not the fork server's
         os.environ.clear()
         os.environ.update(environ)

@@ -29,6 +29,7 @@ Communication (a Unix ``SOCK_SEQPACKET`` pair; one JSON object per message):
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -207,6 +208,9 @@ def _child(req: dict, out_fd: int) -> None:
     import signal
     import traceback
 
+    # What the zygote imported is never garbage in the rank: frozen, a collection (DeepSpeed's and
+    # megatron-core's gc.collect() calls, the automatic ones) walks only what the rank made.
+    gc.freeze()
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a new interpreter's, not the zygote's
