@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 
@@ -33,7 +34,10 @@ def _lazy(real):
         @functools.wraps(model)
         def first_call_compiles(*args, **kw):
             if not compiled:
-                compiled.append(real(model, **kwargs))
+                # Compiling disabled (the Megatron-LM runs set TORCH_COMPILE_DISABLE): torch's compile
+                # would import TorchDynamo and Inductor (1.5 CPU s a rank) to run the function as it is.
+                off = "1" in (os.environ.get("TORCH_COMPILE_DISABLE"), os.environ.get("TORCHDYNAMO_DISABLE"))
+                compiled.append(model if off else real(model, **kwargs))
             return compiled[0](*args, **kw)
 
         return first_call_compiles
