@@ -5,6 +5,7 @@ launcher that forks the ranks after importing Megatron-LM's training code once (
 
     torchrun --nproc-per-node 4 tests/_megatron_lm_probe.py OUT_DIR pretrain_gpt.py ARGS...
     python tests/_megatron_lm_probe.py --ranks 4 OUT_DIR pretrain_gpt.py ARGS...
+    python tests/_megatron_lm_probe.py --serve 4    # many runs, one a line on stdin (`serve`)
 
 The probe never changes what the run computes; it only reads parameters and gathers them:
 
@@ -128,19 +129,24 @@ def _rank(argv: list[str]) -> int:
         os._exit(code)
 
 
-def forked_ranks(n: int, argv: list[str]) -> int:
-    """What ``torchrun --standalone --nproc-per-node n`` does for this probe, with the ranks forked
-    from this process after it imported Megatron-LM's training code once (4 interpreters importing
-    it cost tens of seconds on 2 cores). Each rank gets torchrun's variables; the first rank that
-    exits non-zero ends the others (a failing rank fails the run), and its status is returned."""
-    import signal
-    import threading
-
+def _import_once() -> None:
+    """What the ranks share, imported before they fork: Megatron-LM's training code (4 interpreters
+    importing it cost tens of seconds on 2 cores)."""
     from topo_integrations.megatron import cpu_compat
-    from topo_integrations.testing import free_port
 
     cpu_compat.apply_training()
     import megatron.training  # noqa: F401 - the import the ranks share
+
+
+def forked_ranks(n: int, argv: list[str], out_fd: int | None = None) -> int:
+    """What ``torchrun --standalone --nproc-per-node n`` does for this probe, with the ranks forked
+    from this process (after :func:`_import_once`). Each rank gets torchrun's variables (and, with
+    ``out_fd``, that descriptor as its stdout and stderr); the first rank that exits non-zero ends the
+    others (a failing rank fails the run), and its status is returned."""
+    import signal
+    import threading
+
+    from topo_integrations.testing import free_port
 
     assert threading.active_count() == 1, threading.enumerate()  # a fork copies this thread only
     # Megatron-LM's imports are never garbage in a rank: frozen before the forks, a collection in a
@@ -152,6 +158,9 @@ def forked_ranks(n: int, argv: list[str]) -> int:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            if out_fd is not None:
+                os.dup2(out_fd, 1)
+                os.dup2(out_fd, 2)
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(n),
                               LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             _rank(argv)
@@ -168,7 +177,27 @@ def forked_ranks(n: int, argv: list[str]) -> int:
     return rc
 
 
+def serve(n: int) -> int:
+    """Many runs from one import: reads a JSON object a line on stdin (``{"argv": [OUT_DIR, SCRIPT,
+    ARGS...], "log": PATH}``), runs it on ``n`` forked ranks with their output in ``PATH``, answers
+    ``{"rc": N}`` a line on stdout; ends at the end of stdin. The import is 4 CPU seconds of a run
+    that takes 6 to 10 (tests/test_megatron_lm_train.py starts one server for its six runs)."""
+    _import_once()
+    for line in sys.stdin:
+        req = json.loads(line)
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            rc = forked_ranks(n, req["argv"], out_fd=fd)
+        finally:
+            os.close(fd)
+        print(json.dumps({"rc": rc}), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--ranks":
+        _import_once()
         sys.exit(forked_ranks(int(sys.argv[2]), sys.argv[3:]))
+    if sys.argv[1] == "--serve":
+        sys.exit(serve(int(sys.argv[2])))
     _rank(sys.argv[1:])

@@ -4,10 +4,10 @@ the launch script's ``--virtual-nodes``), a 2-layer GPT, 6 iterations of 2 micro
 
 Every run goes through the project's launcher (``python -m topo_integrations.megatron``, here via
 tests/_megatron_lm_probe.py, which records per-step invariants and the final parameters; one run
-through ``scripts/pretrain_gpt_megatron.sh --megatron-lm DIR``, which uses torchrun). The probe forks
-its 4 ranks after importing Megatron-LM once, and every run has ``TORCH_COMPILE_DISABLE=1`` (see
-``_env``). A run still costs many seconds on 2 cores, so there are seven, each checked for several
-things:
+through ``scripts/pretrain_gpt_megatron.sh --megatron-lm DIR``, which uses torchrun). One probe
+server imports Megatron-LM once and forks the 4 ranks of each of its runs, and every run has
+``TORCH_COMPILE_DISABLE=1`` (see ``_env``). A run still costs many seconds on 2 cores, so there are
+seven, each checked for several things:
 
 =========== ============================================== ===========================================
 run         what                                           checked
@@ -33,6 +33,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 from functools import lru_cache
@@ -68,9 +70,8 @@ LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
 class Run:
-    def __init__(self, name: str, out: Path, proc: subprocess.CompletedProcess):
-        self.name, self.out, self.log = name, out, proc.stdout + proc.stderr
-        self.rc = proc.returncode
+    def __init__(self, name: str, out: Path, rc: int, log: str):
+        self.name, self.out, self.rc, self.log = name, out, rc, log
 
     def ok(self) -> "Run":
         assert self.rc == 0, f"{self.name} failed (rc {self.rc}):\n{self.log[-6000:]}"
@@ -111,14 +112,26 @@ def run(tmp_path_factory):
             build_indexed_dataset(data, collect_stdlib_corpus(150_000))  # byte tokens: 256 = EOD
         return ["--data-path", str(data), "--split", "100,0,0", "--data-cache-path", str(base / "cache")]
 
+    # One probe server for the module's runs: it imports Megatron-LM once (4 of a run's 6 to 10 CPU
+    # seconds) and forks each run's 4 ranks from it (the launch script's run below still goes
+    # through torchrun's own interpreters).
+    server = subprocess.Popen([sys.executable, str(PROBE), "--serve", "4"], cwd=ROOT, env=_env(), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(base / "server.log", "w"),
+                              start_new_session=True)
+
     def probe(name: str, flags: list[str]) -> Run:
-        out = base / name
-        # The probe forks its 4 ranks after importing Megatron-LM once (torchrun's 4 interpreters
-        # each import it; the launch script's run below still goes through torchrun).
-        cmd = [sys.executable, str(PROBE), "--ranks", "4", str(out), os.path.join(MLM, "pretrain_gpt.py"),
-               *CPU, *MODEL, *flags]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
-        return Run(name, out, proc)
+        out, log = base / name, base / f"{name}.log"
+        argv = [str(out), os.path.join(MLM, "pretrain_gpt.py"), *CPU, *MODEL, *flags]
+        server.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        server.stdin.flush()
+        if select.select([server.stdout], [], [], 240)[0]:
+            line = server.stdout.readline()
+            rc = json.loads(line)["rc"] if line else -1
+            why = "" if line else "the probe server ended:\n" + (base / "server.log").read_text()
+        else:  # the server and its ranks are one process group (start_new_session)
+            os.killpg(server.pid, signal.SIGKILL)
+            rc, why = -1, "timed out after 240 s"
+        return Run(name, out, rc, (log.read_text() if log.exists() else "") + why)
 
     def script(name: str, flags: list[str]) -> Run:
         # The launch script runs `.venv/bin/python` of the checkout it lives in: a scratch checkout
@@ -136,7 +149,7 @@ def run(tmp_path_factory):
         cmd = ["bash", str(repo / "scripts" / "pretrain_gpt_megatron.sh"), "--skip-setup", "--megatron-lm", MLM,
                *CPU, *MODEL, *flags, "--save", str(out), "--save-interval", "1000", "--ckpt-format", "torch"]
         proc = subprocess.run(cmd, cwd=repo, env=_env(), capture_output=True, text=True, timeout=240)
-        return Run(name, out, proc)
+        return Run(name, out, proc.returncode, proc.stdout + proc.stderr)
 
     specs = {
         "stock": lambda: probe("stock", ["--mock-data"]),
@@ -162,7 +175,12 @@ def run(tmp_path_factory):
             get(needs[name]).ok()
         return specs[name]()
 
-    return get
+    yield get
+    server.stdin.close()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
