@@ -147,6 +147,9 @@ ALLOWED: dict[tuple[str, str, str], tuple[int, str]] = {
     ("reducer/adaptive/method.py", "MethodAuto._after_step_cuda", ".synchronize()"): (
         1, "CUDA, once per run: the host waits for the last timed step's end event, so that the timed steps' "
            "device times can be read for the method choice that follows"),
+    ("reducer/adaptive/method.py", "int8_codec_seconds", ".synchronize()"): (
+        2, "CUDA, once per run, right after the timed steps: the int8 wire's codec is timed between two "
+           "device waits for the method choice (a re-choice does not time it again)"),
     ("reducer/adaptive/method.py", "MethodAuto._apply", ".tolist()"): (
         1, "the importance ranking of a switch to a LOCAL class is made on the host, as at a class refresh: "
            "the magnitudes agreed over the DP group (copied to the host inside the agreement) as host floats "

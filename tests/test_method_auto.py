@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from topo_integrations.config import ConfigError, TopoAlignConfig
-from topo_integrations.sim import SimOptions
+from topo_integrations.sim import SimError, SimOptions
 from topo_integrations.sim.choose import H_CAP, MethodInputs, choose_for_groups
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,6 +61,30 @@ def test_the_log_line_names_the_choice_the_figures_and_the_runner_up():
         f"(H {c.reconcile_interval}); figures: 4 groups of 8 ranks; slow tier 0.25 GB/s per GPU (leaf, file), "
         "7 us; gradient 14 GB per GPU (7e+09 x bf16); compute 10 s per step (given)")
     assert json.loads(json.dumps(c.to_json()))["line"] == c.line()
+
+
+def test_the_int8_wires_own_work_is_priced():
+    """The int8 wire's quantisation, timed by the engine (on a CPU rank it runs on the cores the compute
+    runs on), is added to that candidate's step: where the link hides the int8 wire's bytes but not
+    its codec, the exact method is as fast and wins (rule 1's tie)."""
+    plain, priced = choose_for_groups(_inputs(5.0)), choose_for_groups(_inputs(5.0, codec_s=2.5))
+    assert plain.method == "int8" and plain.step_s["hierarchical"] > plain.step_s["int8"] * 1.01
+    assert priced.step_s["int8"] == pytest.approx(plain.step_s["int8"] + 2.5)
+    assert priced.step_s["hierarchical"] == plain.step_s["hierarchical"]
+    assert priced.step_s["local"] == plain.step_s["local"]
+    assert priced.method == "hierarchical"
+    assert priced.line().endswith("compute 10 s per step (given); int8 codec 2.5 s per step (timed)")
+    assert not plain.line().endswith("(timed)")  # nothing timed: no codec figure
+    with pytest.raises(SimError, match=r"^method auto: codec_s = -1\.0; expected a number >= 0$"):
+        choose_for_groups(_inputs(5.0, codec_s=-1.0))
+
+
+def test_the_codec_is_timed_on_the_device_without_the_random_stream():
+    from topo_integrations.reducer.adaptive.method import int8_codec_seconds
+
+    state = torch.random.get_rng_state()
+    t = int8_codec_seconds(100_000, torch.device("cpu"))
+    assert 0 < t < 5 and torch.equal(torch.random.get_rng_state(), state)
 
 
 def test_local_class_keys_mean_a_local_class_and_h_is_capped():
@@ -400,7 +424,7 @@ def test_every_rank_takes_position_0s_choice_at_the_same_step(world):
     line = world[0]["real_line"]
     assert line.startswith(f"topo_align: method auto: {real[4][0]} (") and "compute" in line
     assert "figures: 2 groups of 2 ranks; slow tier " in line
-    assert "(timed over steps 2-5)" in line
+    assert "(timed over steps 2-5); int8 codec " in line and line.endswith(" s per step (timed)")
     assert all(r["real_line"] is None for r in world[1:])  # only position 0 chose, and logged
     assert world[0]["stats_line"] == line and all(r["stats_line"] is None for r in world[1:])
     assert world[0]["lines"][0] == line and not any(r["lines"] for r in world[1:])

@@ -16,11 +16,13 @@ changing mode):
 Each is priced by :func:`~topo_integrations.sim.scenario.simulate` (algorithm ``selective``: its
 SYNC stream is the back-to-back 2-level all-reduce, its reconciliation the rail all-reduce and
 group all-gather, buckets overlapped with backward), so the choice and ``topo-align simulate``
-cannot disagree. The rule (constants below, each stated in docs/costmodel.md):
+price the links alike (the engine adds the int8 codec time it timed, :attr:`MethodInputs.codec_s`).
+The rule (constants below, each stated in docs/costmodel.md):
 
 1. ``hierarchical`` when its predicted step is within :data:`HIDDEN` of compute (its slow-tier time
    hides behind backward) or within :data:`TIE` of the int8 wire's (bytes do not matter there);
-2. else ``int8`` when its step is within :data:`HIDDEN` of compute, or when the LOCAL class does
+2. else ``int8`` (its step with the wire's own quantisation work, :attr:`MethodInputs.codec_s`)
+   when its step is within :data:`HIDDEN` of compute, or when the LOCAL class does
    not predict a step at least :data:`LOCAL_MARGIN` times shorter (a LOCAL class costs quality that
    grows with the replicas, so it must buy a clear speed-up);
 3. else ``local``, with H the smallest power of two up to :data:`H_CAP` whose step is within
@@ -121,6 +123,12 @@ class MethodInputs:
     local_only: bool = False
     """LOCAL-class keys were set by the user: they mean a LOCAL class (docs/costmodel.md, section 6), so
     only the H of the ``local`` candidate is chosen."""
+    codec_s: float = 0.0
+    """Seconds per step the int8 wire's own work takes on the rank (quantise and decode its share of
+    the slow tier's payload, twice: the all-to-all and the all-gather of lossy_wire.py), added to the
+    ``int8`` candidate's step: the cost model's links do not carry it. Timed by the engine on its
+    device (on a CPU rank it runs on the cores the compute runs on; on a GPU it is small); 0 where
+    nothing timed it (``topo-align simulate``)."""
 
     @property
     def grad_bytes(self) -> float:
@@ -176,16 +184,18 @@ def _step(topo: Topology, wl: Workload, opt: SimOptions, **kw) -> float:
         raise SimError(why) from None
 
 
-def choose(topo: Topology, wl: Workload, opt: SimOptions, *, figures: str, local_only: bool = False) -> MethodChoice:
+def choose(topo: Topology, wl: Workload, opt: SimOptions, *, figures: str, local_only: bool = False,
+           codec_s: float = 0.0) -> MethodChoice:
     """Price the candidates on ``topo`` with ``wl`` and ``opt`` (its selective knobs other than the
-    ones a candidate sets: last-N share, promotion budget, local.* wires, buckets, overlap) and apply
-    the rule of the module docstring. Raises :class:`SimError` where `selective` does not apply."""
+    ones a candidate sets: last-N share, promotion budget, local.* wires, buckets, overlap), the
+    ``int8`` one with ``codec_s`` more (:attr:`MethodInputs.codec_s`), and apply the rule of the
+    module docstring. Raises :class:`SimError` where `selective` does not apply."""
     compute = wl.compute_seconds(topo.world_size)
     base = replace(opt, stream_fragments=1)  # a candidate's H may be below the user's fragments
     steps: dict[str, float] = {}
     if not local_only:
         steps["hierarchical"] = _step(topo, wl, base, top_fraction=1.0, sync_dtype="fp32")
-        steps["int8"] = _step(topo, wl, base, top_fraction=1.0, sync_dtype="int8")
+        steps["int8"] = _step(topo, wl, base, top_fraction=1.0, sync_dtype="int8") + codec_s
     local = dict(top_fraction=LOCAL_TOP_FRACTION, sync_dtype=LOCAL_SYNC_DTYPE)
     unbounded = _step(topo, wl, base, reconcile_interval=_NO_RECONCILE, **local)
     h, capped = H_CAP, True
@@ -221,10 +231,11 @@ def _two_tier_topology(inp: MethodInputs) -> Topology:
 
 def figures_of(inp: MethodInputs) -> str:
     ranks = f"{inp.group_size} rank{'s' if inp.group_size != 1 else ''}"
+    codec = f"; int8 codec {inp.codec_s:.4g} s per step (timed)" if inp.codec_s > 0 else ""
     return (f"{inp.n_groups} groups of {ranks}; slow tier {inp.slow_gbps:.4g} GB/s per GPU "
             f"({inp.slow_origin}), {inp.slow_latency_us:g} us; gradient {fmt_bytes(inp.grad_bytes)} per GPU "
             f"({inp.grad_elements:.4g} x {inp.grad_dtype}); compute {inp.compute_s:.4g} s per step "
-            f"({inp.compute_from})")
+            f"({inp.compute_from}){codec}")
 
 
 def choose_for_groups(inp: MethodInputs) -> MethodChoice:
@@ -236,11 +247,14 @@ def choose_for_groups(inp: MethodInputs) -> MethodChoice:
         v = getattr(inp, what)
         if not (math.isfinite(v) and v > 0):
             raise SimError(f"method auto: {what} = {v!r}; expected a positive number")
-    if not (math.isfinite(inp.compute_s) and inp.compute_s >= 0):
-        raise SimError(f"method auto: compute_s = {inp.compute_s!r}; expected a number >= 0")
+    for what in ("compute_s", "codec_s"):
+        v = getattr(inp, what)
+        if not (math.isfinite(v) and v >= 0):
+            raise SimError(f"method auto: {what} = {v!r}; expected a number >= 0")
     wl = Workload(params=float(inp.grad_elements), grad_dtype=inp.grad_dtype, compute_s=float(inp.compute_s))
     opt = replace(inp.options, rank_order="file", group_by="island")
-    return choose(_two_tier_topology(inp), wl, opt, figures=figures_of(inp), local_only=inp.local_only)
+    return choose(_two_tier_topology(inp), wl, opt, figures=figures_of(inp), local_only=inp.local_only,
+                  codec_s=inp.codec_s)
 
 
 def choose_for_cli(topo: Topology, wl: Workload, opt: SimOptions) -> MethodChoice:

@@ -17,8 +17,10 @@ Phases of a choice (every rank calls :meth:`MethodAuto.after_step` at the same s
      enqueueing: the step is timed between timing events on the training stream, less that stream's
      waits for the communication stream (event pairs the dispatcher records meanwhile) and the host's
      blocking waits; the host waits once, for the last event, when the steps are timed;
-  2. DP position 0 predicts every candidate (``choose_for_groups``: its plan's groups and slow tier,
-     the gradient, the median compute) and logs the one line;
+  2. every rank times the int8 wire's own work on its device at once (:func:`int8_codec_seconds`:
+     at once, so that ranks sharing cores time it as the steps run it); DP position 0 predicts every
+     candidate (``choose_for_groups``: its plan's groups and slow tier, the gradient, the median
+     compute, that codec time) and logs the one line;
   3. it broadcasts ``[candidate, H]`` over the DP group; every rank applies it (the same classes: the
      parameters are identical, so their magnitudes rank alike).
 """
@@ -39,10 +41,10 @@ from ...topology.model import DEFAULT_TIERS
 from ..classes.auto_sync import with_keys
 from ..classes.importance import Importance
 from ..wire.collectives import run
-from ..wire.compression import wire_dtype
+from ..wire.compression import INT8_BLOCK, dequantize_blocks, padded_numel, quantize_blocks, wire_dtype
 from .regroup import renew_controller
 
-__all__ = ["MethodAuto", "TIMED_STEPS", "RECHOOSE_FACTOR", "applied_keys"]
+__all__ = ["MethodAuto", "TIMED_STEPS", "RECHOOSE_FACTOR", "applied_keys", "int8_codec_seconds"]
 
 log = logging.getLogger("topo_align")
 
@@ -52,6 +54,30 @@ RECHOOSE_FACTOR = 2.0
 """The adaptive monitor's achieved slow-tier bandwidth against its reference, beyond which (either
 way) the method is chosen again."""
 _GRAD_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def int8_codec_seconds(numel: int, device: torch.device, repeats: int = 3) -> float:
+    """Seconds per step of the int8 wire's own work for a rank's ``numel``-element share of the slow
+    tier's payload: quantise with error feedback and decode, twice (lossy_wire.py: the all-to-all's
+    payload, then the sum's chunk for the all-gather; the chunk is smaller, so this is an upper
+    bound), the median of ``repeats`` after a warm-up, on ``device`` (synchronised on CUDA)."""
+    n = padded_numel(max(1, int(numel)), INT8_BLOCK)
+    # gradient-like values without the generator (a draw here would move the run's random stream)
+    v = torch.arange(n, dtype=torch.float32, device=device).mul_(0.37).sin_()
+    residual = torch.zeros_like(v)
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            dequantize_blocks(*quantize_blocks(v, residual))
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:  # the first is a warm-up (allocations)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 class MethodAuto:
@@ -109,7 +135,7 @@ class MethodAuto:
         first = self.engine.step - TIMED_STEPS + 1
         self._choose(f"timed over steps {first}-{self.engine.step}, on the device", None)
 
-    def _inputs(self, compute_from: str) -> MethodInputs:
+    def _inputs(self, compute_from: str, codec_s: float) -> MethodInputs:
         e = self.engine
         cfg, plan, pol = e.cfg, e.groups.plan, e.policy
         params = [p for p in pol.params.values() if p is not None]
@@ -125,7 +151,7 @@ class MethodAuto:
         return MethodInputs(e.groups.inter_size, e.groups.intra_size, plan.inter_bandwidth_gbps, lat["inter"],
                             f"{plan.inter_tier}, {plan.inter_origin}", float(sum(pol.numels.values())), dtype,
                             statistics.median(self.samples), compute_from, plan.intra_bandwidth_gbps, lat["intra"],
-                            opt, local_only=bool(self.local_only))
+                            opt, local_only=bool(self.local_only), codec_s=codec_s)
 
     def _choose(self, compute_from: str | None, scale: float | None, why: str = "") -> bool:
         """Position 0 chooses (from timed steps, or the latest inputs with the slow tier ``scale`` x as
@@ -134,11 +160,17 @@ class MethodAuto:
         g = e.groups
         line = None
         msg = [-1.0, 0.0]
+        # Every rank at once (phase 2): ranks that share cores time the codec as their steps run it.
+        # A rank's share of the slow tier's payload: its island's reduce-scatter leaves it 1/intra.
+        codec_s = 0.0
+        if scale is None and not self.local_only:
+            share = sum(e.policy.numels.values()) // max(1, g.intra_size)
+            codec_s = int8_codec_seconds(share, e.device)
         if g.position == 0:
             try:
                 if scale is not None and self.inputs is None:
                     raise SimError("no compute timed since the run resumed")
-                inp = self._inputs(compute_from) if scale is None else self.inputs.scaled(
+                inp = self._inputs(compute_from, codec_s) if scale is None else self.inputs.scaled(
                     scale, f"{self.inputs.slow_origin}, x{scale:.3g} as measured by the adaptive monitor")
                 choice = choose_for_groups(inp)
                 self.inputs, line = inp, choice.line()
