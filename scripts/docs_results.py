@@ -322,7 +322,7 @@ def peers_goals_block() -> str:
         verdict = "**met**" if step <= 1.02 * ref[0] else "**missed**"
         rnd = re.search(r"-r(\d+)$", path.stem)
         rows.append(f"| `{d['preset']}` at {d['spec']['uplink_mbit']:g} Mbit/s, round {rnd.group(1) if rnd else 1} "
-                    f"({d['started'][:10]}) "
+                    f"({d['started'][:10]}), {len(ok)} systems "
                     f"| {_chose(auto)} | {first} | {mine} | {vs} "
                     f"| {verdict}: {step:.3f} s vs {ref[0]:.3f} s ({ok[ref[1]]['label']}) |")
     return "\n".join(rows)
