@@ -88,15 +88,14 @@ DILOCO_OUTER = {"local.outer_lr": 0.7, "local.outer_momentum": 0.9}
 
 
 def local_h_grid() -> list[tuple[str, str, dict]]:
-    """Issue 38 item 3: the LOCAL class `method: auto` picks on a slow link (sim/choose.py: bf16 SYNC
+    """Issue 38 item 3: the LOCAL class `method: auto` picked on a slow link until item 5 (bf16 SYNC
     wire, top 15 % SYNC, H from the link) at H = 16 and 64, and what each DiLoCo piece buys on top
     of it: the outer Nesterov step (the literature's lr 0.7 / momentum 0.9, and a milder lr 1 /
     momentum 0.5), streaming fragments (4), and the int8 pseudo-gradient wire against fp32."""
-    from topo_integrations.sim.choose import LOCAL_SYNC_DTYPE, LOCAL_TOP_FRACTION
 
     out = [("flat", "flat", {})]
     for h in (16, 64):
-        base = {"sync.dtype": LOCAL_SYNC_DTYPE, "sync.top_fraction": LOCAL_TOP_FRACTION,
+        base = {"sync.dtype": "bf16", "sync.top_fraction": 0.15,  # `auto`'s LOCAL candidate until item 5
                 "local.reconcile_interval": h}
         out += [(f"H {h}: average (int8 deltas)", "selective", dict(base)),
                 (f"H {h}: + outer lr 0.7, momentum 0.9", "selective", {**base, **DILOCO_OUTER}),
@@ -117,16 +116,24 @@ def local_lean_grid() -> list[tuple[str, str, dict]]:
     GPT's elements (its last 5 layers, the top 15 %, promotions), so it saved no bytes. Here the
     candidate on the int8 SYNC wire, and a lean SYNC class (LEAN), alone and with the mild outer
     step (lr 1, momentum 0.5) that cost nothing at H = 16, at H = 16 and 64."""
-    from topo_integrations.sim.choose import LOCAL_TOP_FRACTION
-
     out = [("flat", "flat", {})]
     for h in (16, 64):
         out += [(f"H {h}: candidate on the int8 SYNC wire", "selective",
-                 {"sync.dtype": "int8", "sync.top_fraction": LOCAL_TOP_FRACTION, "local.reconcile_interval": h}),
+                 {"sync.dtype": "int8", "sync.top_fraction": 0.15, "local.reconcile_interval": h}),
                 (f"H {h}: lean SYNC class", "selective", {**LEAN, "local.reconcile_interval": h}),
                 (f"H {h}: lean + outer lr 1, momentum 0.5", "selective",
                  {**LEAN, "local.reconcile_interval": h, "local.outer_lr": 1.0, "local.outer_momentum": 0.5})]
     return out
+
+
+def lean_candidate_grid(with_flat: bool) -> list[tuple[str, str, dict]]:
+    """Issue 38 item 5: the lean SYNC class (LEAN) on the 16-layer GPT, as `method: auto` would run it:
+    at H = 16 in one reconciliation, at H = 64 in 4 streaming fragments (sim/choose.py,
+    STREAM_FROM_H); flat only where asked (it is layout-independent: one layout's flat serves all)."""
+    out = [("flat", "flat", {})] if with_flat else []
+    return out + [("lean, H 16", "selective", {**LEAN, "local.reconcile_interval": 16}),
+                  ("lean, H 64, 4 fragments", "selective",
+                   {**LEAN, "local.reconcile_interval": 64, "local.stream_fragments": 4})]
 
 
 def grid(kind: str) -> list[tuple[str, str, dict]]:
@@ -165,6 +172,8 @@ def grid(kind: str) -> list[tuple[str, str, dict]]:
         return local_h_grid()
     if kind == "local-lean":  # issue 38 item 3: a LOCAL class that leaves most elements LOCAL
         return local_lean_grid()
+    if kind in ("lean-candidate", "lean-candidate-noflat"):  # issue 38 item 5: the lean class on the 16-layer GPT
+        return lean_candidate_grid(kind == "lean-candidate")
     if kind == "islands-outer":  # issue 31: the outer optimizer alone (flat/default measured before)
         return [("outer lr 0.7, momentum 0.9", "selective", dict(DILOCO_OUTER))]
     if kind == "wire16":  # issue 25: the SYNC class on a 16-bit wire with error feedback (run with --base issue15)
@@ -730,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                              "deep-drift", "candidate", "candidate-probe", "probe", "wire16", "wire8", "sync8",
                              "moments16", "islands", "islands-outer", "default", "reconcile-ablation",
                              "many-islands", "many-islands-wide", "many-islands-all",
-                             "outer-probe", "local-h", "local-lean"])
+                             "outer-probe", "local-h", "local-lean", "lean-candidate",
+                             "lean-candidate-noflat"])
     ap.add_argument("--layout", default="2x2", choices=sorted(LAYOUTS),
                     help="islands x ranks per island (virtual nodes): 2x2 on 4 ranks, 4x2 and 8x1 on 8")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])

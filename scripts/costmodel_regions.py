@@ -47,7 +47,7 @@ from topo_integrations.config import (  # noqa: E402
     resolve_sync,
 )
 from topo_integrations.sim import SimError, SimOptions, simulate  # noqa: E402
-from topo_integrations.sim.choose import MethodChoice, MethodInputs, choose_for_groups  # noqa: E402
+from topo_integrations.sim.choose import MethodChoice, MethodInputs, choose_for_groups, local_options  # noqa: E402
 from topo_integrations.sim.model import DTYPE_BYTES  # noqa: E402
 from topo_integrations.sim.scenario import options_from_block  # noqa: E402
 from topo_integrations.topology import plan_groups, topology_from_dict  # noqa: E402
@@ -175,10 +175,12 @@ def auto_choice(topo, islands: int, wl, opt: SimOptions, compute_s: float) -> tu
                        "6 x params x tokens / (GPUs x MFU x peak)", fast.effective_gbps, fast.latency_us,
                        replace(opt, last_n_share=opt.last_n_layers / wl.num_layers))  # as the engine: the last N
     c = choose_for_groups(inp)
-    keys = {"sync_dtype": c.config["sync.dtype"], "top_fraction": c.config["sync.top_fraction"]}
-    if "local.reconcile_interval" in c.config:
-        keys["reconcile_interval"] = c.config["local.reconcile_interval"]
-    res = simulate(topo, wl, replace(opt, algorithms=("selective",), stream_fragments=1, **keys))
+    keys = {"sync_dtype": c.config["sync.dtype"], "top_fraction": c.config["sync.top_fraction"], "stream_fragments": 1}
+    if c.method == "local":  # its last layer, no promotion budget, its H and fragments
+        opt = local_options(inp.options)
+        keys.update(reconcile_interval=c.config["local.reconcile_interval"],
+                    stream_fragments=c.config["local.stream_fragments"])
+    res = simulate(topo, wl, replace(opt, algorithms=("selective",), **keys))
     return c, res.row("selective").step_s
 
 

@@ -20,7 +20,11 @@ where each comes from:
   docs/convergence.md            local-lean      docs/data/convergence-local-lean/results.json
   docs/convergence.md            ablation        docs/data/convergence-ablation/results.json, with
                                                  the default and flat runs of convergence-islands
+  docs/convergence.md            lean-candidate  docs/data/convergence-lean-candidate/results.json
   docs/costmodel.md              bench-check     ``topo-align simulate --bench docs/data/bench-2x2-long.json``
+  docs/costmodel.md              method-quality  sim/quality.py's points (tests/test_method_quality.py ties
+                                                 them to convergence-many-islands and -lean-candidate)
+  docs/costmodel.md              method-choice   scripts/method_choice.py: `method: auto` by link speed
   docs/benchmarks-peers.md       peers-goals     docs/data/bench-*-peers-*.json: issue 38's goals for
                                                  ``method: auto`` in each cell
 
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import convergence as conv
+import method_choice
 from generated_block import anchors, write_or_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,8 +355,13 @@ def blocks() -> list[tuple[Path, str, str, str]]:
          "\n".join(conv.layouts_table(_load("convergence-local-lean"))[2:]).rstrip()),
         (CONV, "ablation", "docs/data/convergence-ablation and convergence-islands",
          "\n".join(conv.ablation_table(islands + _load("convergence-ablation"), ABLATION_RUNS))),
+        (CONV, "lean-candidate", "docs/data/convergence-lean-candidate",
+         "\n".join(conv.layouts_table(_load("convergence-lean-candidate"))[2:]).rstrip()),
         (COST, "bench-check", "topo-align simulate --bench docs/data/bench-2x2-long.json",
          bench_check_block("bench-2x2-long")),
+        (COST, "method-quality", "sim/quality.py, docs/data/convergence-many-islands and convergence-lean-candidate",
+         method_choice.quality_table()),
+        (COST, "method-choice", "scripts/method_choice.py", method_choice.block()),
         (PEERS, "peers-goals", "docs/data/bench-*-peers-*.json", peers_goals_block()),
     ]
 

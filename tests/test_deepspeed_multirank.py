@@ -905,7 +905,7 @@ def test_stage3_dispatch_is_scoped_to_its_optimizer(world):
 def test_method_auto_switches_and_keeps_invariants(world, stage):
     rec = _ok(world, "method_auto")[stage]
     assert all(w["method_auto"][stage]["methods"] == rec["methods"] for w in world)  # every rank alike
-    assert rec["methods"] == ([(None, 2, "torch.int8", False)] * 4 + [("local", 2, "torch.bfloat16", True)] * 4
+    assert rec["methods"] == ([(None, 2, "torch.int8", False)] * 4 + [("local", 2, "torch.int8", True)] * 4
                               + [("hierarchical", 2, "torch.float32", False)] * 2)
     assert rec["events"] == [(5, "local", 2), (8, "hierarchical", None)]
     _invariants(rec["records"], f"method auto ZeRO-{stage}")

@@ -42,24 +42,30 @@ def test_fast_link_takes_hierarchical_middle_int8_slow_a_local_class():
     assert fast.step_s["hierarchical"] <= 10.0 * 1.02
     assert middle.method == "int8" and middle.config["sync.dtype"] == "int8"
     assert middle.step_s["hierarchical"] > 10.0 * 1.02 and middle.step_s["int8"] < middle.step_s["hierarchical"]
-    assert slow.method == "local" and slow.config["sync.top_fraction"] == 0.15
-    assert 1 <= slow.reconcile_interval <= H_CAP and slow.config["local.reconcile_interval"] == slow.reconcile_interval
-    assert slow.step_s["local"] * 1.25 < slow.step_s["int8"]
+    assert slow.method == "local" and slow.config == {
+        "mode": "selective", "sync.dtype": "int8", "sync.top_fraction": 0.05, "sync.last_n_layers": 1,
+        "local.promote_drift_fraction": 0.0, "local.reconcile_interval": slow.reconcile_interval,
+        "local.stream_fragments": 1}
+    assert 1 <= slow.reconcile_interval <= H_CAP
+    assert slow.time_s("local") < slow.time_s("int8")
     for c in (fast, middle, slow):
-        assert set(c.step_s) == {"hierarchical", "int8", "local"}
-        assert c.runner_up != c.method and c.step_s[c.runner_up] == min(v for k, v in c.step_s.items()
+        assert set(c.step_s) == set(c.steps_factor) == {"hierarchical", "int8", "local"}
+        assert c.steps_factor["hierarchical"] == 1.0 and c.steps_factor["local"] >= c.steps_factor["int8"] >= 1.0
+        assert c.runner_up != c.method and c.time_s(c.runner_up) == min(c.time_s(k) for k in c.step_s
                                                                           if k != c.method)
 
 
 def test_the_log_line_names_the_choice_the_figures_and_the_runner_up():
     c = choose_for_groups(_inputs(2.0))
-    s = c.step_s
+    s, f = c.step_s, c.steps_factor
     assert c.line() == (
         f"topo_align: method auto: int8 (sync.dtype int8, sync.top_fraction 1): predicted step {s['int8']:.4g} s "
-        f"against 10 s of compute; runner-up {c.runner_up} ({s[c.runner_up]:.4g} s); predicted steps: "
-        f"hierarchical {s['hierarchical']:.4g} s; int8 {s['int8']:.4g} s; local {s['local']:.4g} s "
-        f"(H {c.reconcile_interval}); figures: 4 groups of 8 ranks; slow tier 0.25 GB/s per GPU (leaf, file), "
-        "7 us; gradient 14 GB per GPU (7e+09 x bf16); compute 10 s per step (given)")
+        f"against 10 s of compute, {f['int8']:.3g} x flat's steps to flat quality; runner-up {c.runner_up} "
+        f"({s[c.runner_up]:.4g} s x {f[c.runner_up]:.3g}); predicted step x steps: "
+        f"hierarchical {s['hierarchical']:.4g} s x 1; int8 {s['int8']:.4g} s x {f['int8']:.3g}; "
+        f"local {s['local']:.4g} s x {f['local']:.3g} (H {c.reconcile_interval}); figures: 4 groups of 8 ranks; "
+        "slow tier 0.25 GB/s per GPU (leaf, file), 7 us; gradient 14 GB per GPU (7e+09 x bf16); compute 10 s per "
+        "step (given)")
     assert json.loads(json.dumps(c.to_json()))["line"] == c.line()
 
 
@@ -71,7 +77,7 @@ def test_the_int8_wires_own_work_is_priced():
     assert plain.method == "int8" and plain.step_s["hierarchical"] > plain.step_s["int8"] * 1.01
     assert priced.step_s["int8"] == pytest.approx(plain.step_s["int8"] + 2.5)
     assert priced.step_s["hierarchical"] == plain.step_s["hierarchical"]
-    assert priced.step_s["local"] == plain.step_s["local"]
+    assert priced.step_s["local"] == plain.step_s["local"] and priced.steps_factor == plain.steps_factor
     assert priced.method == "hierarchical"
     assert priced.line().endswith("compute 10 s per step (given); int8 codec 2.5 s per step (timed)")
     assert not plain.line().endswith("(timed)")  # nothing timed: no codec figure
@@ -109,7 +115,8 @@ def test_the_local_candidate_streams_from_h_64_and_keeps_a_users_fragments():
     engine = SimpleNamespace(cfg=SimpleNamespace(explicit_keys=lambda: ["local.stream_fragments", "mode"]))
     user = MethodAuto(engine).local_only
     assert user == ["local.stream_fragments"]
-    assert applied_keys("local", 64, user) == {"sync.dtype": "bf16", "sync.top_fraction": 0.15,
+    assert applied_keys("local", 64, user) == {"sync.dtype": "int8", "sync.top_fraction": 0.05,
+                                               "sync.last_n_layers": 1, "local.promote_drift_fraction": 0.0,
                                                "local.reconcile_interval": 64}
     assert applied_keys("local", 64, [])["local.stream_fragments"] == 4
 
@@ -435,7 +442,7 @@ def test_every_rank_takes_position_0s_choice_at_the_same_step(world):
 def test_the_switch_to_a_local_class_and_back_loses_nothing(world):
     forced = world[0]["forced"]
     assert all(r["forced"] == forced for r in world)
-    assert [f[:3] for f in forced[:5]] == [(None, 2, "torch.int8")] * 4 + [("local", 2, "torch.bfloat16")]
+    assert [f[:3] for f in forced[:5]] == [(None, 2, "torch.int8")] * 4 + [("local", 2, "torch.int8")]
     assert forced[8][:3] == ("hierarchical", 2, "torch.float32")
     assert all(r["classes_local"] == world[0]["classes_local"] for r in world)
     assert 0 < world[0]["sync_fraction"] < 1
@@ -464,7 +471,7 @@ def test_fsdp2_and_the_ddp_hook_switch_and_lose_nothing(world, adapter):
     rec = world[0][adapter]
     assert all(r[adapter] == rec for r in world)  # every rank took the same method at the same step
     assert [x[:3] for x in rec[:4]] == [(None, 2, "torch.int8")] * 4
-    assert [x[:3] for x in rec[4:8]] == [("local", 2, "torch.bfloat16")] * 4
+    assert [x[:3] for x in rec[4:8]] == [("local", 2, "torch.int8")] * 4
     assert rec[8] == ("after re-choice", True)  # leaving the LOCAL class reconciled first
     assert [x[:3] for x in rec[9:]] == [("hierarchical", 2, "torch.float32")] * 2
     steps = [x for x in rec if x[0] != "after re-choice"]
@@ -477,4 +484,4 @@ def test_fsdp2_and_the_ddp_hook_switch_and_lose_nothing(world, adapter):
 @pytest.mark.timeout(_world4.TIMEOUT)
 def test_a_resume_keeps_the_method(world):
     for r in world:
-        assert r["resumed"] == ("local", 2, "torch.bfloat16", True)
+        assert r["resumed"] == ("local", 2, "torch.int8", True)

@@ -8,28 +8,29 @@ changing mode):
   ``sync.dtype`` fp32), which equals mode `hierarchical` (invariant 3): the exact mean;
 * ``int8``: every tensor SYNC on the int8 wire (``sync.dtype`` int8), a quarter of fp32's slow-tier
   bytes and flat's quality at 2, 4 and 8 islands (docs/convergence.md, "Many islands");
-* ``local``: a LOCAL class reconciled DiLoCo-style: the last N layers, `always_sync` and the top
-  :data:`LOCAL_TOP_FRACTION` by importance SYNC on the :data:`LOCAL_SYNC_DTYPE` wire, the rest
-  reduced in the island and averaged across islands every H steps (``local.reconcile_interval``),
-  in :func:`stream_fragments` fragments (streamed from :data:`STREAM_FROM_H` on).
+* ``local``: a LOCAL class reconciled DiLoCo-style, lean: the last :data:`LOCAL_LAST_N_LAYERS`
+  layer(s), `always_sync` and the top :data:`LOCAL_TOP_FRACTION` by importance SYNC on the
+  :data:`LOCAL_SYNC_DTYPE` wire, no drift promotion, the rest reduced in the island and averaged
+  across islands every H steps (``local.reconcile_interval``), in :func:`stream_fragments` fragments
+  (streamed from :data:`STREAM_FROM_H` on).
 
 Each is priced by :func:`~topo_integrations.sim.scenario.simulate` (algorithm ``selective``: its
 SYNC stream is the back-to-back 2-level all-reduce, its reconciliation the rail all-reduce and
 group all-gather, buckets overlapped with backward), so the choice and ``topo-align simulate``
 price the links alike (the engine adds the int8 codec time it timed, :attr:`MethodInputs.codec_s`).
-The rule (constants below, each stated in docs/costmodel.md):
+A lossy candidate needs more steps to reach flat's quality: :func:`~topo_integrations.sim.quality.steps_factor`,
+from its gap to flat measured at 2, 4 and 8 islands (sim/quality.py). The rule (constants below,
+each stated in docs/costmodel.md), on the predicted *time to flat quality* = step x that factor:
 
-1. ``hierarchical`` when its predicted step is within :data:`HIDDEN` of compute (its slow-tier time
-   hides behind backward) or within :data:`TIE` of the int8 wire's (bytes do not matter there);
-2. else ``int8`` (its step with the wire's own quantisation work, :attr:`MethodInputs.codec_s`)
-   when its step is within :data:`HIDDEN` of compute, or when the LOCAL class does
-   not predict a step at least :data:`LOCAL_MARGIN` times shorter (a LOCAL class costs quality that
-   grows with the replicas, so it must buy a clear speed-up);
-3. else ``local``, with H the smallest power of two up to :data:`H_CAP` whose step is within
-   :data:`HIDDEN` of the step without reconciliation (the reconciliation bytes hide behind H steps of
-   compute); :data:`H_CAP` when none is.
+1. ``hierarchical`` (the exact mean, factor 1) when its predicted step is within :data:`HIDDEN` of
+   compute (its slow-tier time hides behind backward) or its time within :data:`TIE` of the best;
+2. else the shorter time of ``int8`` (its step with the wire's own quantisation work,
+   :attr:`MethodInputs.codec_s`) and ``local`` (``int8`` on a tie within :data:`TIE`: it keeps one
+   replica), where ``local``'s H is the power of two up to :data:`H_CAP` with the shortest time
+   (of H priced alike, the longest: fewer bytes for the same time; sim/quality.py prices an H below
+   the shortest measured as that one).
 
-The runner-up is the fastest of the other two by predicted step. Pure (no communication): the
+The runner-up is the fastest of the other two by predicted time. Pure (no communication): the
 engine's rank 0 calls :func:`choose_for_groups` and broadcasts the result (reducer/adaptive/method.py).
 """
 
@@ -41,34 +42,37 @@ from dataclasses import dataclass, field, replace
 from ..topology.model import RankPlace, Tier, Topology
 from .algorithms import split_groups
 from .model import Fabric, SimError, apply_rank_order
+from .quality import steps_factor
 from .report import fmt_bytes
 from .scenario import SimOptions, simulate
 from .workload import Workload, dp_groups
 
-__all__ = ["CANDIDATES", "HIDDEN", "TIE", "LOCAL_MARGIN", "H_CAP", "LOCAL_TOP_FRACTION", "LOCAL_SYNC_DTYPE",
-           "STREAM_FROM_H", "STREAM_FRAGMENTS", "stream_fragments",
+__all__ = ["CANDIDATES", "HIDDEN", "TIE", "H_CAP", "LOCAL_TOP_FRACTION", "LOCAL_SYNC_DTYPE", "LOCAL_LAST_N_LAYERS",
+           "LOCAL_PROMOTE", "STREAM_FROM_H", "STREAM_FRAGMENTS", "stream_fragments", "local_options",
            "MethodInputs", "MethodChoice", "choose", "choose_for_groups", "choose_for_cli", "method_config",
            "figures_of"]
 
 CANDIDATES: tuple[str, ...] = ("hierarchical", "int8", "local")
 """In order of preference on a tie: the exact mean first, the LOCAL class last."""
 HIDDEN = 0.02
-"""A predicted step within 2 % of its reference (compute, or the step without reconciliation) counts as hidden."""
+"""A predicted step within 2 % of compute counts as hidden (and a reconciliation within 2 % of the
+step without it, for the log line's "H capped")."""
 TIE = 0.01
-"""hierarchical within 1 % of the int8 wire's step: the exact method wins."""
-LOCAL_MARGIN = 1.25
-"""The LOCAL class is chosen over the int8 wire only with a step at least 1.25x shorter: its
-replicas cost quality (docs/convergence.md, "Many islands": +0.86 / +1.24 / +2.10 % validation loss
-at 2 / 4 / 8 islands on the 16-layer GPT) that the extra steps must make up."""
+"""Times to flat quality within 1 % tie: the earlier candidate of :data:`CANDIDATES` wins."""
 H_CAP = 64
 """The longest reconciliation interval the choice takes (DiLoCo's H ranges up to a few hundred; this
-repository measured up to 16: docs/convergence.md); a slower link gets H = 64, said in the log line."""
+repository measured up to 64: docs/convergence.md); the log line says when the best H is the cap."""
 H_STEPS: tuple[int, ...] = tuple(2 ** i for i in range(int(math.log2(H_CAP)) + 1))
-LOCAL_TOP_FRACTION = 0.15
-"""SYNC share by importance of the LOCAL candidate (the 2-group default before issue 31)."""
-LOCAL_SYNC_DTYPE = "bf16"
-"""SYNC wire of the LOCAL candidate: bf16 cost less quality than int8 with a LOCAL class at 4 and 8
-islands (docs/convergence.md, "Many islands": +1.24 / +2.10 % against +1.79 / +2.47 %)."""
+LOCAL_TOP_FRACTION = 0.05
+"""SYNC share by importance of the LOCAL candidate (with the last layer: 13 % of the bench's deep GPT,
+20 % of the 8-layer GPT; about the share of the last 5 of 96 layers)."""
+LOCAL_SYNC_DTYPE = "int8"
+"""SYNC wire of the LOCAL candidate (what its quality, sim/quality.py, was measured with)."""
+LOCAL_LAST_N_LAYERS = 1
+"""Layers at the end of the model SYNC in the LOCAL candidate (`sync.last_n_layers`, unless the user set it)."""
+LOCAL_PROMOTE = 0.0
+"""Drift-promotion budget of the LOCAL candidate (`local.promote_drift_fraction`, unless the user set
+it): none, so that its SYNC class, and its bytes, stay what was priced."""
 STREAM_FROM_H = 64
 """From this H on the LOCAL candidate streams its reconciliation in :data:`STREAM_FRAGMENTS`
 fragments (``local.stream_fragments``); below it, all at once. 3 seeds at 2 and 4 islands
@@ -90,6 +94,7 @@ def method_config(method: str, reconcile_interval: int | None = None) -> dict:
         "hierarchical": {"sync.dtype": "fp32", "sync.top_fraction": 1.0},
         "int8": {"sync.dtype": "int8", "sync.top_fraction": 1.0},
         "local": {"sync.dtype": LOCAL_SYNC_DTYPE, "sync.top_fraction": LOCAL_TOP_FRACTION,
+                  "sync.last_n_layers": LOCAL_LAST_N_LAYERS, "local.promote_drift_fraction": LOCAL_PROMOTE,
                   "local.reconcile_interval": int(reconcile_interval or H_CAP),
                   "local.stream_fragments": stream_fragments(int(reconcile_interval or H_CAP))},
     }
@@ -129,6 +134,9 @@ class MethodInputs:
     ``int8`` candidate's step: the cost model's links do not carry it. Timed by the engine on its
     device (on a CPU rank it runs on the cores the compute runs on; on a GPU it is small); 0 where
     nothing timed it (``topo-align simulate``)."""
+    local_options: SimOptions | None = None
+    """The LOCAL candidate's knobs where the engine knows them exactly (its fixed SYNC share under the
+    candidate's keys and the user's); None: :func:`local_options` of ``options``."""
 
     @property
     def grad_bytes(self) -> float:
@@ -154,23 +162,33 @@ class MethodChoice:
     figures: str
     """The inputs in words (groups, slow tier, gradient, compute)."""
     h_capped: bool = False
+    """The best H is :data:`H_CAP` (a longer one might be better still)."""
+    steps_factor: dict = field(default_factory=dict)
+    """Flat's steps x this = a candidate's steps to flat quality (sim/quality.py); 1 where absent."""
+
+    def time_s(self, method: str) -> float:
+        """Predicted seconds per flat step to flat quality: the step x its steps factor."""
+        return self.step_s[method] * self.steps_factor.get(method, 1.0)
+
+    def _priced(self, k: str) -> str:
+        return f"{self.step_s[k]:.4g} s x {self.steps_factor.get(k, 1.0):.3g}"
 
     def line(self) -> str:
         """The one log line: the choice, the figures it used and the runner-up."""
         keys = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in self.config.items() if k != "mode")
-        cand = "; ".join(f"{k} {self.step_s[k]:.4g} s" + (f" (H {self.reconcile_interval})" if k == "local" else "")
+        cand = "; ".join(f"{k} {self._priced(k)}" + (f" (H {self.reconcile_interval})" if k == "local" else "")
                          for k in CANDIDATES if k in self.step_s)
         cap = f" (H capped at {H_CAP})" if self.h_capped and self.method == "local" else ""
-        ru = (f"runner-up {self.runner_up} ({self.step_s[self.runner_up]:.4g} s)" if self.runner_up
-              else "no runner-up")
+        ru = f"runner-up {self.runner_up} ({self._priced(self.runner_up)})" if self.runner_up else "no runner-up"
         return (f"topo_align: method auto: {self.method} ({keys}){cap}: predicted step "
-                f"{self.step_s[self.method]:.4g} s against {self.compute_s:.4g} s of compute; {ru}; "
-                f"predicted steps: {cand}; figures: {self.figures}")
+                f"{self.step_s[self.method]:.4g} s against {self.compute_s:.4g} s of compute, "
+                f"{self.steps_factor.get(self.method, 1.0):.3g} x flat's steps to flat quality; {ru}; "
+                f"predicted step x steps: {cand}; figures: {self.figures}")
 
     def to_json(self) -> dict:
         return {"method": self.method, "config": dict(self.config), "step_s": dict(self.step_s),
-                "compute_s": self.compute_s, "runner_up": self.runner_up,
+                "steps_factor": dict(self.steps_factor), "compute_s": self.compute_s, "runner_up": self.runner_up,
                 "reconcile_interval": self.reconcile_interval, "h_capped": self.h_capped,
                 "figures": self.figures, "line": self.line()}
 
@@ -184,37 +202,58 @@ def _step(topo: Topology, wl: Workload, opt: SimOptions, **kw) -> float:
         raise SimError(why) from None
 
 
-def choose(topo: Topology, wl: Workload, opt: SimOptions, *, figures: str, local_only: bool = False,
-           codec_s: float = 0.0) -> MethodChoice:
+def local_options(opt: SimOptions) -> SimOptions:
+    """``opt`` with the LOCAL candidate's knobs: its last layer(s), no promotion budget. A given
+    ``last_n_share`` (the user's N layers, with `always_sync`) is taken per layer: the engine, which
+    knows the tensors, passes the exact share instead (:attr:`MethodInputs.local_options`)."""
+    share = opt.last_n_share
+    if share is not None:
+        share *= LOCAL_LAST_N_LAYERS / max(1, opt.last_n_layers)
+    return replace(opt, last_n_layers=LOCAL_LAST_N_LAYERS, last_n_share=share, promote_fraction=LOCAL_PROMOTE)
+
+
+def choose(topo: Topology, wl: Workload, opt: SimOptions, *, figures: str, islands: int, local_only: bool = False,
+           codec_s: float = 0.0, local_opt: SimOptions | None = None) -> MethodChoice:
     """Price the candidates on ``topo`` with ``wl`` and ``opt`` (its selective knobs other than the
-    ones a candidate sets: last-N share, promotion budget, local.* wires, buckets, overlap), the
-    ``int8`` one with ``codec_s`` more (:attr:`MethodInputs.codec_s`), and apply the rule of the
-    module docstring. Raises :class:`SimError` where `selective` does not apply."""
+    ones a candidate sets: buckets, overlap, local.* wires; the LOCAL candidate with ``local_opt``, else
+    :func:`local_options` of ``opt``), the ``int8`` one with ``codec_s`` more
+    (:attr:`MethodInputs.codec_s`), weigh each step with its steps to flat quality at ``islands``
+    islands (sim/quality.py) and apply the rule of the module docstring. Raises :class:`SimError`
+    where `selective` does not apply."""
     compute = wl.compute_seconds(topo.world_size)
     base = replace(opt, stream_fragments=1)  # a candidate's H may be below the user's fragments
     steps: dict[str, float] = {}
+    factor: dict[str, float] = {}
     if not local_only:
         steps["hierarchical"] = _step(topo, wl, base, top_fraction=1.0, sync_dtype="fp32")
         steps["int8"] = _step(topo, wl, base, top_fraction=1.0, sync_dtype="int8") + codec_s
-    local = dict(top_fraction=LOCAL_TOP_FRACTION, sync_dtype=LOCAL_SYNC_DTYPE)
-    unbounded = _step(topo, wl, base, reconcile_interval=_NO_RECONCILE, **local)
-    h, capped = H_CAP, True
-    for cand in H_STEPS:  # the last is H_CAP: `t` is its step when none hides the reconciliation
-        t = _step(topo, wl, base, reconcile_interval=cand, stream_fragments=stream_fragments(cand), **local)
-        if t <= unbounded * (1 + HIDDEN):
-            h, capped = cand, False
-            break
-    steps["local"] = t
+        factor["hierarchical"], factor["int8"] = 1.0, steps_factor("int8", islands)
+    lo = replace(local_opt or local_options(opt), stream_fragments=1, top_fraction=LOCAL_TOP_FRACTION,
+                 sync_dtype=LOCAL_SYNC_DTYPE)
+    unbounded = _step(topo, wl, lo, reconcile_interval=_NO_RECONCILE)
+    by_h = {}
+    for h in H_STEPS:
+        t = _step(topo, wl, lo, reconcile_interval=h, stream_fragments=stream_fragments(h))
+        by_h[h] = (t, steps_factor("local", islands, h))
+    # The shortest time; of H the model prices alike (the quality below 16, the shortest measured; a
+    # reconciliation hidden either way) the longest: fewer bytes for the same predicted time.
+    best = min(t * q for t, q in by_h.values())
+    h = max(k for k in H_STEPS if by_h[k][0] * by_h[k][1] <= best * (1 + 1e-9))
+    steps["local"], factor["local"] = by_h[h]
+    capped = h == H_CAP and by_h[h][0] > unbounded * (1 + HIDDEN)
+    time = {k: steps[k] * factor[k] for k in steps}
     if local_only:
         pick = "local"
     else:
-        th, t8, tl = steps["hierarchical"], steps["int8"], steps["local"]
-        sync = "hierarchical" if th <= compute * (1 + HIDDEN) or th <= t8 * (1 + TIE) else "int8"
-        ts = steps[sync]
-        pick = sync if ts <= compute * (1 + HIDDEN) or ts * (1 / LOCAL_MARGIN) < tl else "local"
+        fastest = min(time.values())
+        if steps["hierarchical"] <= compute * (1 + HIDDEN) or time["hierarchical"] <= fastest * (1 + TIE):
+            pick = "hierarchical"
+        else:
+            pick = "int8" if time["int8"] <= time["local"] * (1 + TIE) else "local"
     others = [k for k in CANDIDATES if k in steps and k != pick]
-    runner = min(others, key=lambda k: (steps[k], CANDIDATES.index(k))) if others else None
-    return MethodChoice(pick, method_config(pick, h), steps, compute, runner, h, figures, h_capped=capped)
+    runner = min(others, key=lambda k: (time[k], CANDIDATES.index(k))) if others else None
+    return MethodChoice(pick, method_config(pick, h), steps, compute, runner, h, figures, h_capped=capped,
+                        steps_factor=factor)
 
 
 def _two_tier_topology(inp: MethodInputs) -> Topology:
@@ -253,8 +292,9 @@ def choose_for_groups(inp: MethodInputs) -> MethodChoice:
             raise SimError(f"method auto: {what} = {v!r}; expected a number >= 0")
     wl = Workload(params=float(inp.grad_elements), grad_dtype=inp.grad_dtype, compute_s=float(inp.compute_s))
     opt = replace(inp.options, rank_order="file", group_by="island")
-    return choose(_two_tier_topology(inp), wl, opt, figures=figures_of(inp), local_only=inp.local_only,
-                  codec_s=inp.codec_s)
+    lo = None if inp.local_options is None else replace(inp.local_options, rank_order="file", group_by="island")
+    return choose(_two_tier_topology(inp), wl, opt, figures=figures_of(inp), islands=inp.n_groups,
+                  local_only=inp.local_only, codec_s=inp.codec_s, local_opt=lo)
 
 
 def choose_for_cli(topo: Topology, wl: Workload, opt: SimOptions) -> MethodChoice:
@@ -277,4 +317,4 @@ def choose_for_cli(topo: Topology, wl: Workload, opt: SimOptions) -> MethodChoic
     inp = MethodInputs(int(rails.shape[1]), int(intra.shape[1]), slow.effective_gbps, slow.latency_us,
                        f"{plan.inter_tier}, {slow.origin}", wl.grad_elements, wl.grad_dtype, wl.compute_seconds(world),
                        src, fast.effective_gbps, fast.latency_us)
-    return choose(topo, wl, opt, figures=figures_of(inp))
+    return choose(topo, wl, opt, figures=figures_of(inp), islands=inp.n_groups)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -148,10 +149,14 @@ class MethodAuto:
                          moments_interval=loc.moments_interval, async_reconcile=loc.async_reconcile)
         lat = {t: (getattr(plan, f"{t}_latency_us", None) or DEFAULT_TIERS[getattr(plan, f"{t}_tier")].latency_us)
                for t in ("inter", "intra")}
+        # The LOCAL candidate as it would run: its keys less the user's, its fixed SYNC share exact.
+        lcfg = with_keys(cfg, applied_keys("local", None, self.local_only))
+        lopt = replace(opt, last_n_layers=lcfg.sync.last_n_layers, last_n_share=pol.fixed_sync_fraction(lcfg.sync),
+                       promote_fraction=lcfg.local.promote_drift_fraction)
         return MethodInputs(e.groups.inter_size, e.groups.intra_size, plan.inter_bandwidth_gbps, lat["inter"],
                             f"{plan.inter_tier}, {plan.inter_origin}", float(sum(pol.numels.values())), dtype,
                             statistics.median(self.samples), compute_from, plan.intra_bandwidth_gbps, lat["intra"],
-                            opt, local_only=bool(self.local_only), codec_s=codec_s)
+                            opt, local_only=bool(self.local_only), codec_s=codec_s, local_options=lopt)
 
     def _choose(self, compute_from: str | None, scale: float | None, why: str = "") -> bool:
         """Position 0 chooses (from timed steps, or the latest inputs with the slow tier ``scale`` x as

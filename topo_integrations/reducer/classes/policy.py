@@ -58,9 +58,10 @@ class ClassPolicy:
                        scores=scores, layers=self.layers, num_layers=self.num_layers, exact_names=self.forced_sync)
         return self.drift.apply(out)
 
-    def fixed_sync_fraction(self) -> float:
-        """Share of elements SYNC whatever the importance: the last N layers, `always_sync`, forced names."""
-        c = self.cfg.sync
+    def fixed_sync_fraction(self, sync=None) -> float:
+        """Share of elements SYNC whatever the importance: the last N layers, `always_sync`, forced names
+        (under ``sync``, a `SyncConfig`, where given: `method: auto` prices a candidate's)."""
+        c = sync or self.cfg.sync
         out = classify(self.names, [self.numels[n] for n in self.names], last_n_layers=c.last_n_layers,
                        always_sync=list(c.always_sync), top_fraction=0.0, scores=None, layers=self.layers,
                        num_layers=self.num_layers, exact_names=self.forced_sync)
