@@ -301,7 +301,11 @@ def peers_goals_block() -> str:
             "|---|---|---|---|---|---|"]
     from topo_integrations.bench.fmt import fmt_bytes
 
-    for path in sorted(DATA.glob("bench-*-peers-*.json")):
+    def order(path: Path) -> tuple:  # a cell's rounds together, the latest first
+        cell, rnd = re.fullmatch(r"(.*?)(?:-r(\d+))?", path.stem).groups()
+        return cell, -int(rnd or 1)
+
+    for path in sorted(DATA.glob("bench-*-peers-*.json"), key=order):
         d = json.loads(path.read_text(encoding="utf-8"))
         ok = {e["key"]: e for e in d["systems"] if e.get("status") == "ok"}
         reach = sorted((e["long"]["time_to_quality_s"], k) for k, e in ok.items()

@@ -69,6 +69,24 @@ def test_the_log_line_names_the_choice_the_figures_and_the_runner_up():
     assert json.loads(json.dumps(c.to_json()))["line"] == c.line()
 
 
+def test_the_quality_a_local_class_costs_grows_with_the_islands():
+    """The bench's 2 x 2 figures at 100 Mbit/s (a measured slow tier, 0.84M fp32 gradient elements,
+    0.134 s of compute, the lean class's fixed share 8 %): at 2 islands the LOCAL class's shorter step
+    pays its 1.4 x steps to flat quality; at 4 islands, on the same links, its 1.9 x does not."""
+    opt = SimOptions(last_n_share=0.4, promote_fraction=0.15)
+    lean = SimOptions(last_n_layers=1, last_n_share=0.08, promote_fraction=0.0)
+
+    def at(groups: int):
+        return choose_for_groups(MethodInputs(groups, 2, 0.006133, 264.0, "leaf, measured", 8.37e5, "fp32", 0.134,
+                                              "timed", options=opt, local_options=lean, codec_s=0.003))
+    two, four = at(2), at(4)
+    assert two.method == "local" and two.reconcile_interval == 16 and two.runner_up == "int8"
+    assert two.step_s["local"] < two.step_s["int8"] and two.time_s("local") < two.time_s("int8") / 1.01
+    assert four.method == "int8" and four.runner_up == "local"
+    assert four.step_s["local"] < four.step_s["int8"] < four.time_s("local")
+    assert four.steps_factor["local"] > two.steps_factor["local"] > 1.0 == two.steps_factor["int8"]
+
+
 def test_the_int8_wires_own_work_is_priced():
     """The int8 wire's quantisation, timed by the engine (on a CPU rank it runs on the cores the compute
     runs on), is added to that candidate's step: where the link hides the int8 wire's bytes but not
