@@ -24,13 +24,18 @@ from topo_integrations.sim.choose import MethodInputs, choose_for_groups  # noqa
 GBITS = (400.0, 100.0, 25.0, 10.0, 5.0, 2.0, 1.0, 0.5, 0.2, 0.1, 0.01)
 
 
+def _inputs(groups: int, group_size: int, gbit: float, params: float, compute_s: float,
+            origin: str = "given") -> MethodInputs:
+    """The workload of the module docstring with the slow tier at ``gbit`` Gbit/s per GPU."""
+    return MethodInputs(groups, group_size, gbit / 8, 7.0, origin, params, "bf16", compute_s, "given",
+                        options=SimOptions(last_n_share=0.1, promote_fraction=0.0))
+
+
 def table(groups: int, group_size: int, params: float, compute_s: float) -> str:
     rows = ["| slow tier, Gbit/s per GPU | choice | keys it sets | predicted step, s x steps to flat quality: "
             "hierarchical / int8 / local (H) | runner-up |", "|---:|---|---|---|---|"]
     for g in GBITS:
-        c = choose_for_groups(MethodInputs(
-            groups, group_size, g / 8, 7.0, "given", params, "bf16", compute_s, "given",
-            options=SimOptions(last_n_share=0.1, promote_fraction=0.0)))
+        c = choose_for_groups(_inputs(groups, group_size, g, params, compute_s))
         keys = ", ".join(f"`{k}` {v:g}" if isinstance(v, float) else f"`{k}` {v}"
                          for k, v in c.config.items() if k != "mode")
         s, f = c.step_s, c.steps_factor
@@ -42,8 +47,7 @@ def table(groups: int, group_size: int, params: float, compute_s: float) -> str:
 
 def block() -> str:
     """docs/costmodel.md's block: the default workload's table, then the log line at 2 Gbit/s."""
-    inp = MethodInputs(4, 8, 2.0 / 8, 7.0, "leaf, file", 7e9, "bf16", 10.0, "given",
-                       options=SimOptions(last_n_share=0.1, promote_fraction=0.0))
+    inp = _inputs(4, 8, 2.0, 7e9, 10.0, origin="leaf, file")
     return (f"Simulated: 4 islands of 8 GPUs, 7e+09 bf16 gradient elements per GPU, 10 s of compute per step.\n\n"
             f"{table(4, 8, 7e9, 10.0)}\n\n```text\n{choose_for_groups(inp).line()}\n```")
 

@@ -136,7 +136,7 @@ class MethodAuto:
         first = self.engine.step - TIMED_STEPS + 1
         self._choose(f"timed over steps {first}-{self.engine.step}, on the device", None)
 
-    def _inputs(self, compute_from: str, codec_s: float) -> MethodInputs:
+    def _inputs(self, compute_from: str, codec_s: float, elements: int) -> MethodInputs:
         e = self.engine
         cfg, plan, pol = e.cfg, e.groups.plan, e.policy
         params = [p for p in pol.params.values() if p is not None]
@@ -154,7 +154,7 @@ class MethodAuto:
         lopt = replace(opt, last_n_layers=lcfg.sync.last_n_layers, last_n_share=pol.fixed_sync_fraction(lcfg.sync),
                        promote_fraction=lcfg.local.promote_drift_fraction)
         return MethodInputs(e.groups.inter_size, e.groups.intra_size, plan.inter_bandwidth_gbps, lat["inter"],
-                            f"{plan.inter_tier}, {plan.inter_origin}", float(sum(pol.numels.values())), dtype,
+                            f"{plan.inter_tier}, {plan.inter_origin}", float(elements), dtype,
                             statistics.median(self.samples), compute_from, plan.intra_bandwidth_gbps, lat["intra"],
                             opt, local_only=bool(self.local_only), codec_s=codec_s, local_options=lopt)
 
@@ -167,15 +167,15 @@ class MethodAuto:
         msg = [-1.0, 0.0]
         # Every rank at once (phase 2): ranks that share cores time the codec as their steps run it.
         # A rank's share of the slow tier's payload: its island's reduce-scatter leaves it 1/intra.
+        elements = sum(e.policy.numels.values())
         codec_s = 0.0
         if scale is None and not self.local_only:
-            share = sum(e.policy.numels.values()) // max(1, g.intra_size)
-            codec_s = int8_codec_seconds(share, e.device)
+            codec_s = int8_codec_seconds(elements // max(1, g.intra_size), e.device)
         if g.position == 0:
             try:
                 if scale is not None and self.inputs is None:
                     raise SimError("no compute timed since the run resumed")
-                inp = self._inputs(compute_from, codec_s) if scale is None else self.inputs.scaled(
+                inp = self._inputs(compute_from, codec_s, elements) if scale is None else self.inputs.scaled(
                     scale, f"{self.inputs.slow_origin}, x{scale:.3g} as measured by the adaptive monitor")
                 choice = choose_for_groups(inp)
                 self.inputs, line = inp, choice.line()
