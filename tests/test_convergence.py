@@ -212,6 +212,24 @@ def test_drift_monitor_units():
         DriftMonitor(0.5, 10, window=0)
 
 
+def test_a_new_budget_applies_from_now_on_and_drops_promotions_beyond_it():
+    # `method: auto` puts the engine on a candidate's local.* keys (reducer/adaptive/method.py)
+    m = DriftMonitor(0.5, 100)
+    numels = {"a": 40, "b": 30, "c": 20, "d": 10}
+    classes = {"a": "LOCAL", "b": "LOCAL", "c": "LOCAL", "d": "SYNC"}
+    m.last = {"a": 0.5, "b": 0.9, "c": 0.7}
+    assert m.promotions(classes, numels) == (["b", "c"], [])
+    assert m.configure(0.3, window=1, demote=False, numels=numels) == ["c"]  # 50 > 30: the latest goes
+    assert m.promoted == ["b"] and m.demoted == ["c"] and m.promote_fraction == 0.3
+    assert m.configure(0.0, window=2, demote=True, numels=numels) == ["b"]
+    assert (m.promoted, m.window, m.demote) == ([], 2, True)
+    assert m.apply(classes) == classes
+    assert m.wants_blocking(classes, numels) is False  # budget 0: reconciliations stay asynchronous
+    assert m.promotions(classes, numels) == ([], [])
+    with pytest.raises(ValueError, match=r"local.promote_drift_fraction = -0.1; expected a float in \[0, 1\]"):
+        m.configure(-0.1, window=1, demote=False, numels=numels)
+
+
 def _measure(m, drifts: dict, step: int):
     """Feed the monitor one agreed measurement (the all-reduce is a no-op stand-in)."""
     class Agreed:  # Wire.agree_later's answer, landed at once

@@ -8,13 +8,14 @@ Equations and assumptions: docs/costmodel.md. Everything here is *simulated*.
 
 from .algorithms import ALGORITHMS, CommCost, SelectiveSpec, Stream
 from .model import DTYPE_BYTES, GRADIENT_DTYPES, RANK_ORDERS, Fabric, Phase, SimError, apply_rank_order, ring_phase
-from .overlap import BucketTimeline, bucket_timeline
+from .overlap import BucketTimeline, QueuedStream, bucket_timeline, serial_timeline
 from .scenario import Row, SimOptions, SimResult, simulate
 from .workload import Workload, dp_groups
 
 __all__ = [
     "ALGORITHMS", "CommCost", "SelectiveSpec", "Stream", "DTYPE_BYTES", "GRADIENT_DTYPES", "RANK_ORDERS", "Fabric",
     "Phase",
-    "SimError", "apply_rank_order", "ring_phase", "BucketTimeline", "bucket_timeline", "Row", "SimOptions",
+    "SimError", "apply_rank_order", "ring_phase", "BucketTimeline", "bucket_timeline", "QueuedStream",
+    "serial_timeline", "Row", "SimOptions",
     "SimResult", "simulate", "Workload", "dp_groups",
 ]

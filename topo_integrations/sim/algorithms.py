@@ -50,6 +50,8 @@ class Stream:
     """Share of the gradient elements carried by this stream."""
     phases: list[Phase]
     pipelined: bool
+    held_until: float = 0.0
+    """Fraction of backward before which none of its buckets is released (overlap.QueuedStream)."""
 
     @property
     def bandwidth_s(self) -> float:
@@ -72,6 +74,12 @@ class CommCost:
     """Per-step share of periodic work (selective reconciliation, already divided by the interval)."""
     background_blocking: bool = True
     """Whether the background work stops training (sync reconcile) or overlaps it (async)."""
+    launch_rate: float = 1.0
+    """Launches of the background work per step (``F / H``: F stream fragments per interval of H
+    steps); one launch carries ``background_s() / launch_rate``."""
+    launch_scales: tuple[tuple[float, float], ...] = ((1.0, 1.0),)
+    """(share of the launches, time relative to the mean launch): a launch with the optimizer
+    moments carries more than one without (every ``moments_interval``-th)."""
 
     def all_phases(self) -> list[Phase]:
         return [p for s in self.streams for p in s.phases] + list(self.background)
@@ -90,8 +98,9 @@ class CommCost:
         return combine(phases, True)[2] if phases else {t: 0.0 for t in SIM_TIERS}
 
     def comm_s(self) -> float:
-        """One collective per stream over the whole gradient, streams concurrent, no overlap with compute."""
-        grad = max((s.bandwidth_s + s.latency_s for s in self.streams), default=0.0)
+        """One collective per stream over the whole gradient, the streams one after another (the
+        engine's one issuing queue: overlap.py), no overlap with compute."""
+        grad = sum(s.bandwidth_s + s.latency_s for s in self.streams)
         return grad + (self.background_s() if self.background_blocking else 0.0)
 
     def background_s(self) -> float:
@@ -301,6 +310,9 @@ class SelectiveSpec:
     """Optimizer-moment bytes per LOCAL element and reconciliation, amortised: Adam's two moments
     averaged at every ``local.moments_interval``-th reconciliation on the ``local.moments_dtype`` wire
     are 2 x its bytes / that interval (8 / that interval in fp32)."""
+    moments_interval: int = 1
+    """``local.moments_interval``: the reconciliation that carries the moments (every this-th) carries
+    ``reconcile_bytes + moments_interval * moments_bytes`` per element, the others ``reconcile_bytes``."""
     reconcile_interval: int = 4
     stream_fragments: int = 1
     """``local.stream_fragments``: the reconciliation's bytes in that many launches per interval
@@ -332,6 +344,9 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
       1. SYNC stream (fraction f = top_fraction + last-N share): 2-level all-reduce of f * elements,
          in the gradient dtype inside the group and in the sync dtype across groups;
       2. LOCAL stream: ring all-reduce of (1 - f) * elements in the local dtype inside each intra group.
+    Both streams go through the engine's one issuing queue; LOCAL buckets are held until the step's
+    last SYNC bucket is submitted (the end of backward when top-fraction tensors are SYNC: they may sit
+    anywhere in the model; else when the last N layers, the first in backward, are done).
     Every reconcile_interval (H) steps, charged 1/H per step (the latency F/H with F stream fragments):
       3. each rank all-reduces its 1/g slice of the LOCAL parameters over its rail
          (2(R-1)/R * (1-f) * elements * reconcile_bytes / g), then
@@ -350,8 +365,10 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
         streams.append(Stream("sync", f, _hier2_phases(fab, intra, rails, f * elements * spec.grad_bytes, sync_b,
                                                        "SYNC "), spec.pipelined))
     if f < 1:
+        held = 1.0 if (spec.top_fraction > 0 or f == 0) else f
         streams.append(
-            Stream("local", 1.0 - f, [ring_phase(fab, intra, local_b, "allreduce", "LOCAL intra all-reduce")], True)
+            Stream("local", 1.0 - f, [ring_phase(fab, intra, local_b, "allreduce", "LOCAL intra all-reduce")], True,
+                   held_until=held)
         )
     background: list[Phase] = []
     if f < 1:
@@ -363,4 +380,16 @@ def selective(fab: Fabric, groups: np.ndarray, elements: float, spec: SelectiveS
         for p in background:
             p.latency_s *= spec.stream_fragments / h
     return CommCost("selective", ALGORITHMS["selective"], streams, background,
-                    background_blocking=not spec.async_reconcile)
+                    background_blocking=not spec.async_reconcile,
+                    launch_rate=spec.stream_fragments / spec.reconcile_interval,
+                    launch_scales=_launch_scales(spec))
+
+
+def _launch_scales(spec: SelectiveSpec) -> tuple[tuple[float, float], ...]:
+    """A reconciliation's launches relative to the mean one: every ``moments_interval``-th carries
+    the optimizer moments too."""
+    m, rb, mb = spec.moments_interval, spec.reconcile_bytes, spec.moments_bytes
+    if m <= 1 or mb <= 0:
+        return ((1.0, 1.0),)
+    mean = rb + mb
+    return (((m - 1) / m, rb / mean), (1 / m, (rb + m * mb) / mean))

@@ -21,7 +21,7 @@ from .algorithms import (
     split_groups,
 )
 from .model import DTYPE_BYTES, RANK_ORDERS, SIM_TIERS, Fabric, SimError, apply_rank_order, dtype_bytes
-from .overlap import bucket_timeline
+from .overlap import QueuedStream, serial_timeline
 from .peers import diloco, local_sgd, powersgd
 from .workload import Workload, dp_groups
 
@@ -208,21 +208,21 @@ def _cost(key: str, fab: Fabric, groups, wl: Workload, opt: SimOptions, spec: Se
 def _row(cost: CommCost, fab: Fabric, wl: Workload, opt: SimOptions, compute_s: float, backward_s: float,
          bucket_mb: float) -> Row:
     bucket_bytes = bucket_mb * MIB
-    exposed, busy, nb, blat = 0.0, 0.0, 0, 0.0
-    for s in cost.streams:
-        tl = bucket_timeline(s.grad_fraction * wl.grad_bytes, bucket_bytes, s.bandwidth_s, s.latency_s,
-                             backward_s, opt.overlap)
-        exposed = max(exposed, tl.exposed_s)
-        busy = max(busy, tl.busy_s)
-        nb += tl.n_buckets
-        blat = max(blat, s.latency_s)
+    # The streams share the engine's one issuing queue (overlap.serial_timeline).
+    tl = serial_timeline([QueuedStream(s.grad_fraction * wl.grad_bytes, s.bandwidth_s, s.latency_s, s.held_until)
+                          for s in cost.streams], bucket_bytes, backward_s, opt.overlap)
+    exposed, busy, nb = tl.exposed_s, tl.busy_s, tl.n_buckets
+    blat = max((s.latency_s for s in cost.streams), default=0.0)
     bg = cost.background_s()
     if cost.background and cost.background_blocking:
         exposed += bg
     elif cost.background:
-        # Async reconciliation shares the links with the gradient buckets; it is hidden while the
-        # links have idle time within the step.
-        exposed += max(0.0, busy + bg - (compute_s + exposed))
+        # An asynchronous reconciliation's correction is applied after the next optimizer step
+        # (reconcile/reconciler.py), so each launch must land within one step, in the time the queue
+        # is idle in that step; what does not fit stalls the step, once per launch.
+        idle = max(0.0, compute_s + exposed - busy)
+        per = bg / cost.launch_rate
+        exposed += cost.launch_rate * sum(w * max(0.0, k * per - idle) for w, k in cost.launch_scales)
     world = fab.world_size
     tb = {t: v / world for t, v in cost.tier_bytes().items()}
     ts = cost.tier_seconds()
@@ -303,6 +303,7 @@ def simulate(topo: Topology, wl: Workload, opt: SimOptions = SimOptions()) -> Si
         sync_bytes=DTYPE_BYTES[sync_dtype], grad_bytes=DTYPE_BYTES[wl.grad_dtype],
         local_bytes=DTYPE_BYTES[opt.local_dtype], reconcile_bytes=DTYPE_BYTES[opt.reconcile_dtype],
         moments_bytes=2.0 * DTYPE_BYTES[opt.moments_dtype] / opt.moments_interval,
+        moments_interval=opt.moments_interval,
         reconcile_interval=opt.reconcile_interval, async_reconcile=opt.async_reconcile,
         stream_fragments=min(opt.stream_fragments, opt.reconcile_interval),
     )

@@ -215,6 +215,15 @@ class MethodAuto:
         e.cfg = e.policy.cfg = cfg
         e.reconciler.local = cfg.local
         pol = e.policy
+        # The candidate's promotion budget from now on (the monitor was built with the configured
+        # one: a lean candidate's `local.promote_drift_fraction` 0 would otherwise keep promoting,
+        # and make its reconciliations blocking whenever a promotion may follow).
+        dropped = pol.drift.configure(cfg.local.promote_drift_fraction, window=cfg.local.promote_window,
+                                      demote=cfg.local.demote, numels=pol.numels)
+        if dropped:
+            log.info("topo_align: method auto: %d promoted tensor(s) back to LOCAL (the candidate's "
+                     "local.promote_drift_fraction %g): %s", len(dropped), cfg.local.promote_drift_fraction,
+                     ", ".join(dropped))
         scores = None
         if pol.params and all(n in pol.params for n in pol.names):
             # Agreed over the DP group: a replica holds the whole tensor, identical everywhere, but a

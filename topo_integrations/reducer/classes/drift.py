@@ -174,6 +174,24 @@ class DriftMonitor:
             return None
         return sum(h) / len(h)
 
+    def configure(self, promote_fraction: float, *, window: int, demote: bool, numels: dict[str, int]) -> list[str]:
+        """New knobs from now on (`method: auto` puts the engine on a candidate's ``local.*``): the
+        budget, the window, demotion. Promotions beyond the new budget turn LOCAL again, the latest
+        first (safe at any step: a SYNC tensor is identical everywhere). Returns them."""
+        if not 0.0 <= promote_fraction <= 1.0:
+            raise ValueError(f"local.promote_drift_fraction = {promote_fraction!r}; expected a float in [0, 1]")
+        if window < 1:
+            raise ValueError(f"local.promote_window = {window!r}; expected an integer >= 1")
+        self.promote_fraction, self.window, self.demote = float(promote_fraction), int(window), bool(demote)
+        dropped = []
+        while self.promoted and self._budget(numels) < 0:
+            v = self.promoted.pop()
+            self.promoted_score.pop(v, None)
+            self.recent.pop(v, None)
+            dropped.append(v)
+        self.demoted.extend(dropped)
+        return dropped
+
     def _budget(self, numels: dict[str, int]) -> float:
         return self.promote_fraction * self.total_numel - sum(numels[n] for n in self.promoted)
 
