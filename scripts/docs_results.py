@@ -27,6 +27,8 @@ where each comes from:
   docs/costmodel.md              method-choice   scripts/method_choice.py: `method: auto` by link speed
   docs/benchmarks-peers.md       peers-goals     docs/data/bench-*-peers-*.json: issue 38's goals for
                                                  ``method: auto`` in each cell
+  docs/benchmarks-peers.md       step-timeline   docs/data/step-timeline.json (scripts/step_timeline.py):
+                                                 where a step's time goes, per phase and on the queue
 
 Re-running a bench section (``topo-align bench ... --markdown docs/benchmarks.md``) or a convergence
 grid changes its data; ``--write`` then carries the new figures to every page that quotes them, and
@@ -46,6 +48,7 @@ from pathlib import Path
 
 import convergence as conv
 import method_choice
+import step_timeline
 from generated_block import anchors, write_or_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,9 +313,15 @@ def peers_goals_block() -> str:
         ok = {e["key"]: e for e in d["systems"] if e.get("status") == "ok"}
         reach = sorted((e["long"]["time_to_quality_s"], k) for k, e in ok.items()
                        if e["long"]["time_to_quality_s"] is not None)
+        first = f"{ok[reach[0][1]]['label']}, {reach[0][0]:.1f} s" if reach else "none"
+        rnd = re.search(r"-r(\d+)$", path.stem)
+        cell = (f"| `{d['preset']}` at {d['spec']['uplink_mbit']:g} Mbit/s, round {rnd.group(1) if rnd else 1} "
+                f"({d['started'][:10]}), {len(ok)} systems ")
+        if "topo-auto" not in ok:  # a round of the peers the cell's other rounds lacked
+            rows.append(f"{cell}| not in this round | {first} | - | - | - |")
+            continue
         auto = ok["topo-auto"]
         at, a_bytes = auto["long"]["time_to_quality_s"], auto["long"]["bytes_per_step"]
-        first = f"{ok[reach[0][1]]['label']}, {reach[0][0]:.1f} s" if reach else "none"
         if at is None:
             mine = "**missed**: not reached in the budget"
         elif reach[0][1] == "topo-auto":
@@ -329,10 +338,7 @@ def peers_goals_block() -> str:
         step = auto["summary"]["step_median_s"]
         ref = min((ok[k]["summary"]["step_median_s"], k) for k in EXACT if k in ok)
         verdict = "**met**" if step <= 1.02 * ref[0] else "**missed**"
-        rnd = re.search(r"-r(\d+)$", path.stem)
-        rows.append(f"| `{d['preset']}` at {d['spec']['uplink_mbit']:g} Mbit/s, round {rnd.group(1) if rnd else 1} "
-                    f"({d['started'][:10]}), {len(ok)} systems "
-                    f"| {_chose(auto)} | {first} | {mine} | {vs} "
+        rows.append(f"{cell}| {_chose(auto)} | {first} | {mine} | {vs} "
                     f"| {verdict}: {step:.3f} s vs {ref[0]:.3f} s ({ok[ref[1]]['label']}) |")
     return "\n".join(rows)
 
@@ -367,6 +373,8 @@ def blocks() -> list[tuple[Path, str, str, str]]:
          method_choice.quality_table()),
         (COST, "method-choice", "scripts/method_choice.py", method_choice.block()),
         (PEERS, "peers-goals", "docs/data/bench-*-peers-*.json", peers_goals_block()),
+        (PEERS, "step-timeline", "docs/data/step-timeline.json",
+         step_timeline.tables(json.loads((DATA / "step-timeline.json").read_text()))),
     ]
 
 

@@ -191,6 +191,8 @@ def tables(data: dict) -> str:
             f"{data['uplink_mbit']:g} Mbit/s, 2-core CPU; `{data['command']}`):", "", *rows]
     for label, s in data["systems"].items():
         for kind, q in s.get("queue", {}).items():
+            if not q["items"]:  # not a topo-align engine: nothing goes through its queue
+                continue
             text += ["", f"{label}, {kind} step {q['step'] + 1} (backward ends at {q['backward_end_ms']:.0f} ms, "
                      f"the next step starts at {q['step_ms']:.0f} ms): the issuing queue, ms from the step's start", "",
                      "| start | end | item |", "|---:|---:|---|"]
