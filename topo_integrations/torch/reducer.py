@@ -6,8 +6,9 @@ One training step, seen from the reducer:
                registration order); a bucket is launched when it is full and every earlier bucket
                of its class has been launched (so all ranks issue collectives in the same order even
                when some parameters get no gradient). With ``communication.overlap`` the bucket is
-               reduced by a worker thread per class (SYNC and LOCAL have their own thread, process
-               groups and, on CUDA, streams: SYNC on a high-priority stream), overlapping backward.
+               handed to the engine's one schedule (the dispatcher's thread on gloo, one communication
+               stream on CUDA; SYNC and LOCAL on their own process groups, LOCAL released after the
+               step's last SYNC bucket), overlapping backward.
   finish_grad_sync()
                launches what is left (a parameter without gradient contributes zeros), waits, and
                writes the reduced gradient into ``p.grad`` of every parameter (also of those that
