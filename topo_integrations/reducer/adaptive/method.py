@@ -212,14 +212,12 @@ class MethodAuto:
             e.reconcile(e.reconciler.source)
         e.dispatcher.drain()
         cfg = with_keys(e.cfg, keys)
-        e.cfg = e.policy.cfg = cfg
+        e.cfg = cfg
         e.reconciler.local = cfg.local
         pol = e.policy
-        # The candidate's promotion budget from now on (the monitor was built with the configured
-        # one: a lean candidate's `local.promote_drift_fraction` 0 would otherwise keep promoting,
-        # and make its reconciliations blocking whenever a promotion may follow).
-        dropped = pol.drift.configure(cfg.local.promote_drift_fraction, window=cfg.local.promote_window,
-                                      demote=cfg.local.demote, numels=pol.numels)
+        # The candidate's promotion budget too (a lean candidate's `local.promote_drift_fraction` 0
+        # would otherwise keep promoting, its reconciliations blocking whenever one may follow).
+        dropped = pol.set_config(cfg)
         if dropped:
             log.info("topo_align: method auto: %d promoted tensor(s) back to LOCAL (the candidate's "
                      "local.promote_drift_fraction %g): %s", len(dropped), cfg.local.promote_drift_fraction,

@@ -44,6 +44,16 @@ class ClassPolicy:
         """The optimizer step of the latest class refresh (the next is due ``importance.refresh_interval``
         steps later)."""
 
+    def set_config(self, cfg: TopoAlignConfig) -> list[str]:
+        """Classify under ``cfg`` from now on (`method: auto` puts the engine on a candidate's keys):
+        its ``sync.*`` at the next :meth:`classify`, its promotion budget, window and demotion in the
+        drift monitor (built with the configured ones). Returns the promotions beyond the new budget,
+        turned LOCAL again."""
+        self.cfg = cfg
+        loc = cfg.local
+        return self.drift.configure(loc.promote_drift_fraction, window=loc.promote_window, demote=loc.demote,
+                                    numels=self.numels)
+
     def refresh_due(self, step: int) -> bool:
         """Whether a class refresh is due at optimizer step ``step``."""
         return step - self.last_refresh >= self.cfg.importance.refresh_interval
